@@ -1,0 +1,1 @@
+"""SQLite storage: schema, migrations, writer and read-only queries."""

@@ -1,0 +1,27 @@
+"""The wire protocol shared by agent, relay and daemon.
+
+Sans-I/O: nothing here touches a socket, a thread or an event loop, and the
+only third-party import is msgpack. Each peer wraps these pieces in its own
+thin I/O shell (a thread in the agent, asyncio streams in relay and daemon).
+"""
+
+from traceml_wire.errors import FrameTooLarge, ProtocolError
+from traceml_wire.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEADER_BYTES,
+    FrameDecoder,
+    encode_frame,
+    pack_message,
+    unpack_message,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "HEADER_BYTES",
+    "FrameDecoder",
+    "FrameTooLarge",
+    "ProtocolError",
+    "encode_frame",
+    "pack_message",
+    "unpack_message",
+]

@@ -1,0 +1,105 @@
+"""Length-prefixed msgpack frames: a pure encoder and an incremental decoder.
+
+A frame is a 4-byte big-endian unsigned length followed by that many bytes of
+one msgpack map. The decoder is fed arbitrary splits of the byte stream and
+yields whole frame bodies; it refuses a declared length over the cap as soon
+as the header is complete, so an attacker cannot make it buffer 4 GiB.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from traceml_wire.errors import FrameTooLarge, ProtocolError
+
+HEADER_BYTES = 4
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+def pack_message(message: dict[str, Any]) -> bytes:
+    """msgpack-encode one message map (bin type for bytes, str for text)."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def encode_frame(message: dict[str, Any] | bytes) -> bytes:
+    """Frame a message map, or an already packed body, with its length header."""
+    body = message if isinstance(message, (bytes, bytearray, memoryview)) else pack_message(message)
+    return _HEADER.pack(len(body)) + bytes(body)
+
+
+def unpack_message(body: bytes) -> dict[str, Any]:
+    """Decode one frame body into a message map with a string type field ``t``.
+
+    Raises ProtocolError for anything else: garbage, trailing bytes, a non-map,
+    a map without a string ``t``.
+    """
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame body is not valid msgpack: {exc.__class__.__name__}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"frame body must be a map, got {type(message).__name__}")
+    kind = message.get("t")
+    if not isinstance(kind, str):
+        raise ProtocolError("message has no string type field 't'")
+    return message
+
+
+class FrameDecoder:
+    """Incremental frame splitter: ``feed`` bytes, then iterate ``frames()``.
+
+    Holds at most one partial frame (bounded by ``max_frame_bytes``) plus
+    whatever the caller fed in one call. After an error the decoder is
+    poisoned: the stream has lost framing and the connection must close.
+    """
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if max_frame_bytes <= 0:
+            raise ValueError("max_frame_bytes must be positive")
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self._need: int | None = None  # body length of the frame being read
+        self._error: ProtocolError | None = None
+        self.frames_decoded = 0
+        self.bytes_decoded = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add bytes from the stream; return every frame body now complete."""
+        if self._error is not None:
+            raise self._error
+        self._buffer += data
+        out: list[bytes] = []
+        while True:
+            if self._need is None:
+                if len(self._buffer) < HEADER_BYTES:
+                    break
+                (declared,) = _HEADER.unpack_from(self._buffer)
+                if declared > self.max_frame_bytes:
+                    self._error = FrameTooLarge(declared, self.max_frame_bytes)
+                    self._buffer.clear()
+                    raise self._error
+                del self._buffer[:HEADER_BYTES]
+                self._need = declared
+            if len(self._buffer) < self._need:
+                break
+            body = bytes(self._buffer[: self._need])
+            del self._buffer[: self._need]
+            self._need = None
+            self.frames_decoded += 1
+            self.bytes_decoded += HEADER_BYTES + len(body)
+            out.append(body)
+        return out
+
+    def expected_bytes(self) -> int:
+        """How many more bytes complete the current header or body (>= 1)."""
+        if self._need is None:
+            return max(1, HEADER_BYTES - len(self._buffer))
+        return max(1, self._need - len(self._buffer))

@@ -1,0 +1,212 @@
+"""Message types, builders and validators (pure; no I/O).
+
+Conversation on every connection (server = relay for agents, daemon for relays):
+
+    server -> challenge {v, nonce}
+    client -> hello     {v, role, sender, session, identity, mac}
+    server -> accept    {v, last_seq}      or  refuse {reason} and close
+    client -> batch ...  (numbered)        server -> ack {seq}
+    client -> bye                           (clean end of stream)
+
+Unknown fields are ignored everywhere (additive evolution). An unknown message
+type is a ProtocolError for that peer only.
+
+Two batch shapes travel:
+  * ``batch`` (agent -> relay): ``seq`` and ``body``, the msgpack bytes of the
+    rank's tables. The relay never unpacks ``body``.
+  * ``rbatch`` (relay -> daemon): ``seq`` plus ``items``, a list of
+    ``[sender, seq, body]`` forwarded verbatim, ``peers`` (sender -> identity
+    of every sender in items, so each rbatch is self-contained for resend and
+    spool), ``node`` (the relay's node identity) and ``stats`` (the relay's
+    cumulative drop counters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traceml_wire.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+CHALLENGE = "challenge"
+HELLO = "hello"
+ACCEPT = "accept"
+REFUSE = "refuse"
+BATCH = "batch"
+RELAY_BATCH = "rbatch"
+ACK = "ack"
+BYE = "bye"
+
+ROLE_AGENT = "agent"
+ROLE_RELAY = "relay"
+ROLES = frozenset({ROLE_AGENT, ROLE_RELAY})
+
+CLIENT_TYPES = frozenset({HELLO, BATCH, RELAY_BATCH, BYE})
+SERVER_TYPES = frozenset({CHALLENGE, ACCEPT, REFUSE, ACK})
+
+# Identity fields a hello may carry; all optional on the wire, typed when present.
+IDENTITY_INT_FIELDS = (
+    "global_rank",
+    "local_rank",
+    "node_rank",
+    "world_size",
+    "local_world_size",
+    "nnodes",
+    "attempt",
+    "pid",
+)
+IDENTITY_STR_FIELDS = ("hostname", "run_id", "parallelism", "device")
+
+
+def challenge(nonce: bytes) -> dict[str, Any]:
+    return {"t": CHALLENGE, "v": PROTOCOL_VERSION, "nonce": nonce}
+
+
+def hello(
+    *, role: str, sender: str, session: str, identity: dict[str, Any], mac: bytes
+) -> dict[str, Any]:
+    return {
+        "t": HELLO,
+        "v": PROTOCOL_VERSION,
+        "role": role,
+        "sender": sender,
+        "session": session,
+        "identity": identity,
+        "mac": mac,
+    }
+
+
+def accept(last_seq: int = 0) -> dict[str, Any]:
+    return {"t": ACCEPT, "v": PROTOCOL_VERSION, "last_seq": last_seq}
+
+
+def refuse(reason: str) -> dict[str, Any]:
+    return {"t": REFUSE, "v": PROTOCOL_VERSION, "reason": reason}
+
+
+def batch(seq: int, body: bytes) -> dict[str, Any]:
+    return {"t": BATCH, "seq": seq, "body": body}
+
+
+def relay_batch(
+    seq: int,
+    items: list[list[Any]],
+    peers: dict[str, dict[str, Any]],
+    node: dict[str, Any],
+    stats: dict[str, int],
+) -> dict[str, Any]:
+    return {"t": RELAY_BATCH, "seq": seq, "items": items, "peers": peers, "node": node, "stats": stats}
+
+
+def ack(seq: int) -> dict[str, Any]:
+    return {"t": ACK, "seq": seq}
+
+
+def bye() -> dict[str, Any]:
+    return {"t": BYE}
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(message: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = message.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ProtocolError(f"{message.get('t')!r} message needs field {key!r} of type {_name(kind)}")
+    return value
+
+
+def _name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return "|".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def _seq(message: dict[str, Any]) -> int:
+    seq = _require(message, "seq", int)
+    if seq < 1:
+        raise ProtocolError(f"sequence numbers start at 1, got {seq}")
+    return seq
+
+
+def clean_identity(raw: object) -> dict[str, Any]:
+    """Keep only known identity fields of the right type; drop the rest."""
+    if not isinstance(raw, dict):
+        raise ProtocolError("hello identity must be a map")
+    out: dict[str, Any] = {}
+    for key in IDENTITY_INT_FIELDS:
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = value
+    for key in IDENTITY_STR_FIELDS:
+        value = raw.get(key)
+        if isinstance(value, str):
+            out[key] = value[:256]
+    return out
+
+
+def validate_client_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Check a message a client sent; return it (with cleaned fields) or raise."""
+    kind = message["t"]
+    if kind not in CLIENT_TYPES:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    if kind == HELLO:
+        version = _require(message, "v", int)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})")
+        role = _require(message, "role", str)
+        if role not in ROLES:
+            raise ProtocolError(f"unknown role {role!r}")
+        sender = _require(message, "sender", str)
+        if not sender or len(sender) > 200:
+            raise ProtocolError("hello sender must be 1..200 characters")
+        _require(message, "session", str)
+        _require(message, "mac", bytes)
+        message["identity"] = clean_identity(message.get("identity", {}))
+    elif kind == BATCH:
+        _seq(message)
+        _require(message, "body", bytes)
+    elif kind == RELAY_BATCH:
+        _seq(message)
+        items = _require(message, "items", list)
+        for item in items:
+            if (
+                not isinstance(item, list)
+                or len(item) != 3
+                or not isinstance(item[0], str)
+                or not isinstance(item[1], int)
+                or isinstance(item[1], bool)
+                or not isinstance(item[2], bytes)
+            ):
+                raise ProtocolError("rbatch items must be [sender:str, seq:int, body:bytes]")
+        peers = _require(message, "peers", dict)
+        for sender, identity in list(peers.items()):
+            if not isinstance(sender, str):
+                raise ProtocolError("rbatch peers must be keyed by sender string")
+            peers[sender] = clean_identity(identity)
+        message["node"] = clean_identity(message.get("node", {}))
+        stats = message.get("stats", {})
+        message["stats"] = {
+            k: v for k, v in stats.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+        } if isinstance(stats, dict) else {}
+    return message
+
+
+def validate_server_message(message: dict[str, Any]) -> dict[str, Any]:
+    kind = message["t"]
+    if kind not in SERVER_TYPES:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    if kind == CHALLENGE:
+        nonce = _require(message, "nonce", bytes)
+        if len(nonce) < 8:
+            raise ProtocolError("challenge nonce too short")
+    elif kind == ACCEPT:
+        last = message.get("last_seq", 0)
+        message["last_seq"] = last if isinstance(last, int) and not isinstance(last, bool) else 0
+    elif kind == REFUSE:
+        reason = message.get("reason")
+        message["reason"] = reason if isinstance(reason, str) else "refused"
+    elif kind == ACK:
+        _seq(message)
+    return message

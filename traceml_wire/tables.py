@@ -1,0 +1,209 @@
+"""Columnar row tables: the payload of an agent batch.
+
+A table travels as a map of column name to list (one list per column, all of
+equal length). Against a list of per-row maps this is about twice as fast to
+pack and unpack and 40% smaller, because keys are written once per batch.
+
+``TABLES`` is the single source of truth for what each table holds; the
+agent builds rows with these names and the daemon's SQLite schema mirrors
+them (plus the rank id it adds). Unknown tables and unknown columns are
+ignored by receivers (additive evolution); a known column with values of the
+wrong type is a ProtocolError for that batch.
+
+Units: ``*_ns`` durations in nanoseconds, ``ts`` wall-clock seconds since the
+epoch (float), ``*_bytes`` bytes, ``*_pct`` percent. ``None`` means "not
+measured", never zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from traceml_wire.errors import ProtocolError
+
+INT = "int"
+REAL = "real"
+TEXT = "text"
+
+PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer", "wait")
+
+TABLES: dict[str, tuple[tuple[str, str], ...]] = {
+    # One row per completed training step of one rank.
+    "steps": (
+        ("step", INT),
+        ("ts", REAL),  # wall clock at step end
+        ("step_ns", INT),
+        ("dataloader_ns", INT),
+        ("h2d_ns", INT),
+        ("forward_ns", INT),
+        ("backward_ns", INT),
+        ("optimizer_ns", INT),
+        ("wait_ns", INT),  # measured collective wait where DDP is used, residual elsewhere
+        ("comm_ns", INT),  # measured all-reduce time (DDP comm hook); None elsewhere
+        ("peak_bytes", INT),  # device peak allocated this step (CUDA), None on CPU
+        ("reserved_bytes", INT),
+        ("rss_bytes", INT),
+        ("model_id", INT),  # which traced model (two models in one process)
+    ),
+    # agent.log(name=value) scalars, resolved lazily.
+    "scalars": (("step", INT), ("name", TEXT), ("value", REAL)),
+    # agent.span() regions and agent.instant() marks (dur_ns None for instants).
+    "spans": (
+        ("name", TEXT),
+        ("start_ns", INT),  # wall clock, ns since epoch
+        ("dur_ns", INT),
+        ("step", INT),
+        ("args", TEXT),  # JSON object text
+    ),
+    # Process sampler, every rank.
+    "process": (
+        ("ts", REAL),
+        ("cpu_pct", REAL),
+        ("rss_bytes", INT),
+        ("gpu_mem_bytes", INT),
+        ("threads", INT),
+    ),
+    # Host sampler, the node's local rank 0 only.
+    "system": (
+        ("ts", REAL),
+        ("cpu_pct", REAL),
+        ("mem_used_bytes", INT),
+        ("mem_total_bytes", INT),
+        ("net_rx_bps", REAL),
+        ("net_tx_bps", REAL),
+        ("disk_read_bps", REAL),
+        ("disk_write_bps", REAL),
+    ),
+    # Per-GPU NVML sample, the node's local rank 0 only.
+    "gpu": (
+        ("ts", REAL),
+        ("gpu_index", INT),
+        ("util_pct", REAL),
+        ("mem_used_bytes", INT),
+        ("mem_total_bytes", INT),
+        ("temp_c", REAL),
+        ("power_w", REAL),
+    ),
+    # Where each rank is right now (for RANK_STALLED / HANG), sent every flush.
+    "status": (
+        ("ts", REAL),
+        ("phase", TEXT),  # idle|dataloader|h2d|forward|backward|optimizer|wait
+        ("phase_since", REAL),
+        ("step", INT),  # the step in progress (or last completed when idle)
+        ("steps_done", INT),
+        ("finished", INT),  # 1 once agent.shutdown() ran
+    ),
+    # Per-layer deep dive, sampled one step in N.
+    "layers": (
+        ("step", INT),
+        ("layer", TEXT),
+        ("forward_ns", INT),
+        ("backward_ns", INT),
+        ("activation_bytes", INT),
+    ),
+    # What was traced: sent when a model is first seen (and on reconnect).
+    "models": (
+        ("model_id", INT),
+        ("name", TEXT),
+        ("parallelism", TEXT),  # single|ddp|fsdp2
+        ("n_modules", INT),
+        ("param_bytes", INT),
+        ("local_shard_bytes", INT),  # FSDP2 only
+        ("estimated_full_bytes", INT),  # FSDP2 only
+    ),
+    # Cumulative drop/loss counters of the agent (monotonic; latest wins).
+    "drops": (("ts", REAL), ("source", TEXT), ("count", INT)),
+}
+
+_PY_TYPES: dict[str, tuple[type, ...]] = {
+    INT: (int,),
+    REAL: (float, int),
+    TEXT: (str,),
+}
+
+
+def columns(table: str) -> tuple[str, ...]:
+    return tuple(name for name, _ in TABLES[table])
+
+
+class TableBuilder:
+    """Accumulates rows of one table column by column (cheap appends)."""
+
+    __slots__ = ("name", "_cols", "_order")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._order = columns(name)
+        self._cols: dict[str, list[Any]] = {c: [] for c in self._order}
+
+    def append(self, row: dict[str, Any]) -> None:
+        for col in self._order:
+            self._cols[col].append(row.get(col))
+
+    def __len__(self) -> int:
+        return len(self._cols[self._order[0]])
+
+    def take(self) -> dict[str, list[Any]]:
+        """Return the columns and start empty."""
+        out = self._cols
+        self._cols = {c: [] for c in self._order}
+        return out
+
+
+def encode_body(tables: dict[str, dict[str, list[Any]]], **extra: Any) -> bytes:
+    """Pack an agent batch body: ``{"tables": {...}, **extra}``."""
+    body = {"tables": {k: v for k, v in tables.items() if v and any(v.values())}}
+    body.update(extra)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_body(body: bytes) -> dict[str, dict[str, list[Any]]]:
+    """Unpack and validate an agent batch body into known tables/columns.
+
+    Unknown tables and columns are dropped; missing known columns are filled
+    with None; wrong types or ragged columns raise ProtocolError.
+    """
+    try:
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ProtocolError(f"batch body is not valid msgpack: {exc.__class__.__name__}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("tables", {}), dict):
+        raise ProtocolError("batch body must be a map with a 'tables' map")
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, cols in raw.get("tables", {}).items():
+        spec = TABLES.get(name) if isinstance(name, str) else None
+        if spec is None:
+            continue
+        if not isinstance(cols, dict):
+            raise ProtocolError(f"table {name!r} must be a map of column to list")
+        length: int | None = None
+        table: dict[str, list[Any]] = {}
+        for col, kind in spec:
+            values = cols.get(col)
+            if values is None:
+                continue
+            if not isinstance(values, list):
+                raise ProtocolError(f"column {name}.{col} must be a list")
+            if length is None:
+                length = len(values)
+            elif len(values) != length:
+                raise ProtocolError(f"table {name!r} has columns of different lengths")
+            ok = _PY_TYPES[kind]
+            for value in values:
+                if value is not None and (not isinstance(value, ok) or isinstance(value, bool)):
+                    raise ProtocolError(f"column {name}.{col} holds a {type(value).__name__}, expected {kind}")
+            table[col] = values
+        if not length:
+            continue
+        for col, _ in spec:
+            if col not in table:
+                table[col] = [None] * length
+        out[name] = table
+    return out
+
+
+def rows(table: dict[str, list[Any]], order: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """Columns to row tuples in ``order`` (for executemany)."""
+    return list(zip(*(table[c] for c in order)))
