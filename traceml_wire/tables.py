@@ -206,4 +206,4 @@ def decode_body(body: bytes) -> dict[str, dict[str, list[Any]]]:
 
 def rows(table: dict[str, list[Any]], order: tuple[str, ...]) -> list[tuple[Any, ...]]:
     """Columns to row tuples in ``order`` (for executemany)."""
-    return list(zip(*(table[c] for c in order)))
+    return list(zip(*(table[c] for c in order), strict=True))
