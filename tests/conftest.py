@@ -1,0 +1,32 @@
+"""Shared fixtures: a database written by a real 2-rank DDP run, reused by
+the TUI, summary, export and compare tests so the slow part runs once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import EXAMPLES, DaemonProcess, base_env, torchrun, wait_for_steps
+
+REAL_RUN_STEPS = 30
+
+
+@pytest.fixture(scope="session")
+def real_run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run: real daemon, real ``torchrun --nproc-per-node 2`` gloo DDP job,
+    rank 1 with a slow collate function."""
+    db = tmp_path_factory.mktemp("real_run") / "run.db"
+    with DaemonProcess(db) as daemon:
+        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(_free_port()))
+        done = torchrun(EXAMPLES / "train.py", ["--steps", str(REAL_RUN_STEPS), "--slow-ranks", "1",
+                                                "--slow-ms", "15"], nproc=2, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        wait_for_steps(db, ranks=2, steps=REAL_RUN_STEPS)
+    return db
+
+
+def _free_port() -> int:
+    from tests.support.procs import free_port
+
+    return free_port()

@@ -1,0 +1,176 @@
+"""Framing: encoder/decoder round trips, arbitrary stream splits, the size cap."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from traceml_wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEADER_BYTES,
+    FrameDecoder,
+    FrameTooLarge,
+    ProtocolError,
+    encode_frame,
+    pack_message,
+    unpack_message,
+)
+
+# Message maps as peers send them: a string type plus arbitrary msgpack-able fields.
+_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=40)
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+messages = st.builds(
+    lambda t, fields: {**fields, "t": t},
+    st.text(min_size=1, max_size=10),
+    st.dictionaries(st.text(max_size=8), _values, max_size=5),
+)
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    out, last = [], 0
+    for p in points:
+        out.append(data[last:p])
+        last = p
+    out.append(data[last:])
+    return out
+
+
+def test_encode_frame_is_length_prefixed_msgpack() -> None:
+    frame = encode_frame({"t": "ack", "seq": 3})
+    (length,) = struct.unpack(">I", frame[:HEADER_BYTES])
+    assert length == len(frame) - HEADER_BYTES
+    assert unpack_message(frame[HEADER_BYTES:]) == {"t": "ack", "seq": 3}
+
+
+def test_encode_frame_accepts_prepacked_body() -> None:
+    body = pack_message({"t": "bye"})
+    assert encode_frame(body) == encode_frame({"t": "bye"})
+    assert encode_frame(memoryview(body)) == encode_frame({"t": "bye"})
+
+
+def test_bytes_stay_bytes_and_text_stays_text() -> None:
+    msg = unpack_message(pack_message({"t": "batch", "body": b"\x00\xff", "s": "x"}))
+    assert msg["body"] == b"\x00\xff" and isinstance(msg["body"], bytes)
+    assert msg["s"] == "x"
+
+
+def test_decoder_byte_by_byte() -> None:
+    stream = encode_frame({"t": "a"}) + encode_frame({"t": "b", "x": 1})
+    dec = FrameDecoder()
+    got: list[bytes] = []
+    for i in range(len(stream)):
+        got += dec.feed(stream[i : i + 1])
+    assert [unpack_message(b)["t"] for b in got] == ["a", "b"]
+    assert dec.buffered_bytes == 0
+    assert dec.frames_decoded == 2 and dec.bytes_decoded == len(stream)
+
+
+def test_empty_body_frame_is_yielded_then_rejected_by_unpack() -> None:
+    dec = FrameDecoder()
+    assert dec.feed(b"\x00\x00\x00\x00") == [b""]
+    with pytest.raises(ProtocolError):
+        unpack_message(b"")
+
+
+def test_expected_bytes_tracks_header_and_body() -> None:
+    dec = FrameDecoder()
+    assert dec.expected_bytes() == HEADER_BYTES
+    frame = encode_frame({"t": "x"})
+    dec.feed(frame[:2])
+    assert dec.expected_bytes() == 2
+    dec.feed(frame[2:5])
+    assert dec.expected_bytes() == len(frame) - 5
+    assert dec.feed(frame[5:]) != []
+    assert dec.expected_bytes() == HEADER_BYTES
+
+
+def test_oversize_header_raises_before_body_is_buffered() -> None:
+    dec = FrameDecoder(max_frame_bytes=1024)
+    with pytest.raises(FrameTooLarge) as info:
+        dec.feed(struct.pack(">I", 1025) + b"x" * 100)
+    assert info.value.declared == 1025 and info.value.cap == 1024
+    assert dec.buffered_bytes == 0
+
+
+def test_oversize_detected_from_header_alone() -> None:
+    dec = FrameDecoder(max_frame_bytes=10)
+    assert dec.feed(b"\xff\xff") == []
+    with pytest.raises(FrameTooLarge):
+        dec.feed(b"\xff\xff")
+    assert dec.buffered_bytes == 0
+
+
+def test_frame_at_cap_is_accepted() -> None:
+    dec = FrameDecoder(max_frame_bytes=8)
+    assert dec.feed(struct.pack(">I", 8) + b"12345678") == [b"12345678"]
+
+
+def test_decoder_is_poisoned_after_error() -> None:
+    dec = FrameDecoder(max_frame_bytes=4)
+    with pytest.raises(FrameTooLarge):
+        dec.feed(struct.pack(">I", 5))
+    with pytest.raises(FrameTooLarge):
+        dec.feed(encode_frame({"t": "x"}))
+
+
+def test_default_cap_is_16_mib() -> None:
+    assert DEFAULT_MAX_FRAME_BYTES == 16 * 1024 * 1024
+    with pytest.raises(FrameTooLarge):
+        FrameDecoder().feed(struct.pack(">I", DEFAULT_MAX_FRAME_BYTES + 1))
+
+
+def test_nonpositive_cap_is_a_programming_error() -> None:
+    with pytest.raises(ValueError):
+        FrameDecoder(0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\xc1", pack_message([1, 2]), pack_message({"x": 1}), pack_message({"t": 5}), pack_message({"t": "a"}) + b"\x00"],
+    ids=["garbage", "not-a-map", "no-type", "non-string-type", "trailing-bytes"],
+)
+def test_unpack_rejects(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        unpack_message(body)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(messages, max_size=8), st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_split_decodes_to_same_frames(msgs: list[dict], cuts: list[int]) -> None:
+    stream = b"".join(encode_frame(m) for m in msgs)
+    dec = FrameDecoder()
+    bodies: list[bytes] = []
+    for chunk in _split(stream, cuts):
+        bodies += dec.feed(chunk)
+    assert [unpack_message(b) for b in bodies] == [unpack_message(pack_message(m)) for m in msgs]
+    assert dec.buffered_bytes == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.lists(st.integers(0, 400), max_size=6))
+def test_garbage_yields_frames_or_protocol_error_only(data: bytes, cuts: list[int]) -> None:
+    dec = FrameDecoder(max_frame_bytes=64)
+    try:
+        for chunk in _split(data, cuts):
+            for body in dec.feed(chunk):
+                assert len(body) <= 64
+                try:
+                    unpack_message(body)
+                except ProtocolError:
+                    pass
+    except ProtocolError:
+        pass
+    assert dec.buffered_bytes <= 64 + HEADER_BYTES
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(65, 2**32 - 1), st.binary(max_size=200))
+def test_oversize_never_buffers_body(declared: int, tail: bytes) -> None:
+    dec = FrameDecoder(max_frame_bytes=64)
+    with pytest.raises(FrameTooLarge):
+        dec.feed(struct.pack(">I", declared) + tail)
+    assert dec.buffered_bytes == 0
