@@ -177,9 +177,10 @@ def validate_client_message(message: dict[str, Any]) -> dict[str, Any]:
                 or not isinstance(item[0], str)
                 or not isinstance(item[1], int)
                 or isinstance(item[1], bool)
+                or item[1] < 1  # agent seqs start at 1, like every other seq
                 or not isinstance(item[2], bytes)
             ):
-                raise ProtocolError("rbatch items must be [sender:str, seq:int, body:bytes]")
+                raise ProtocolError("rbatch items must be [sender:str, seq:int >= 1, body:bytes]")
         peers = _require(message, "peers", dict)
         for sender, identity in list(peers.items()):
             if not isinstance(sender, str):

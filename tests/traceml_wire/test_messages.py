@@ -1,0 +1,179 @@
+"""Message builders and validators: types enforced, unknown fields ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from traceml_wire import ProtocolError, pack_message, unpack_message
+from traceml_wire import messages as m
+from traceml_wire.auth import hello_mac, new_nonce, verify_hello_mac
+
+
+def _roundtrip(msg: dict[str, Any]) -> dict[str, Any]:
+    return unpack_message(pack_message(msg))
+
+
+def _hello(**over: Any) -> dict[str, Any]:
+    msg = m.hello(role="agent", sender="s/a0/n0/r0/1-ab", session="s", identity={"global_rank": 0}, mac=b"x" * 32)
+    msg.update(over)
+    return msg
+
+
+def test_builders_pass_their_own_validators() -> None:
+    client = [
+        _hello(),
+        m.batch(1, b"body"),
+        m.relay_batch(2, [["a", 1, b"b"]], {"a": {"global_rank": 1}}, {"node_rank": 0}, {"dropped_batches": 0}),
+        m.bye(),
+    ]
+    for msg in client:
+        assert m.validate_client_message(_roundtrip(msg))["t"] == msg["t"]
+    server = [m.challenge(new_nonce()), m.accept(7), m.refuse("no"), m.ack(3)]
+    for msg in server:
+        assert m.validate_server_message(_roundtrip(msg))["t"] == msg["t"]
+
+
+@pytest.mark.parametrize("kind", ["nope", "challenge", "ack", "accept"])
+def test_unknown_or_wrong_direction_client_type_rejected(kind: str) -> None:
+    with pytest.raises(ProtocolError):
+        m.validate_client_message({"t": kind, "seq": 1})
+
+
+@pytest.mark.parametrize("kind", ["nope", "hello", "batch", "bye"])
+def test_unknown_or_wrong_direction_server_type_rejected(kind: str) -> None:
+    with pytest.raises(ProtocolError):
+        m.validate_server_message({"t": kind})
+
+
+def test_unknown_fields_are_ignored() -> None:
+    msg = _roundtrip({**m.batch(4, b"b"), "future": {"x": [1, 2]}, "v2_field": "y"})
+    assert m.validate_client_message(msg)["seq"] == 4
+    hello = m.validate_client_message(_roundtrip(_hello(extra=1, identity={"global_rank": 3, "gpu_uuid": "u"})))
+    assert hello["identity"] == {"global_rank": 3}
+    ack = m.validate_server_message({"t": "ack", "seq": 2, "window": 9})
+    assert ack["seq"] == 2
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"v": 2},
+        {"v": "1"},
+        {"role": "admin"},
+        {"role": 1},
+        {"sender": ""},
+        {"sender": "x" * 201},
+        {"sender": None},
+        {"session": 5},
+        {"mac": "not-bytes"},
+        {"identity": [1]},
+    ],
+)
+def test_hello_rejects_bad_fields(over: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError):
+        m.validate_client_message(_hello(**over))
+
+
+def test_hello_identity_is_cleaned_by_type() -> None:
+    ident = {"global_rank": "0", "local_rank": True, "node_rank": 2, "hostname": "h" * 300, "device": 5}
+    out = m.validate_client_message(_hello(identity=ident))["identity"]
+    assert out == {"node_rank": 2, "hostname": "h" * 256}
+
+
+@pytest.mark.parametrize("seq", [0, -1, True, 1.0, "1", None])
+def test_batch_seq_must_be_positive_int(seq: object) -> None:
+    with pytest.raises(ProtocolError):
+        m.validate_client_message({"t": "batch", "seq": seq, "body": b""})
+
+
+def test_batch_body_must_be_bytes() -> None:
+    with pytest.raises(ProtocolError):
+        m.validate_client_message({"t": "batch", "seq": 1, "body": "text"})
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        "x",
+        [["a", 1]],
+        [["a", 1, "text"]],
+        [[1, 1, b""]],
+        [["a", True, b""]],
+        [["a", 0, b""]],
+        [("a", 1, b"", 4)],
+    ],
+)
+def test_rbatch_rejects_bad_items(items: object) -> None:
+    with pytest.raises(ProtocolError):
+        m.validate_client_message({"t": "rbatch", "seq": 1, "items": items, "peers": {}})
+
+
+def test_rbatch_cleans_peers_node_and_stats() -> None:
+    msg = m.validate_client_message(
+        {
+            "t": "rbatch",
+            "seq": 1,
+            "items": [["a", 1, b"b"]],
+            "peers": {"a": {"global_rank": 1, "junk": 2}},
+            "node": {"node_rank": 1, "hostname": "h", "x": 1},
+            "stats": {"dropped_batches": 2, "bad": "x", "flag": True},
+        }
+    )
+    assert msg["peers"] == {"a": {"global_rank": 1}}
+    assert msg["node"] == {"node_rank": 1, "hostname": "h"}
+    assert msg["stats"] == {"dropped_batches": 2}
+    bare = m.validate_client_message({"t": "rbatch", "seq": 1, "items": [], "peers": {}, "stats": [1]})
+    assert bare["node"] == {} and bare["stats"] == {}
+
+
+def test_rbatch_peers_must_be_a_map_of_maps() -> None:
+    for peers in ([], {1: {}}, {"a": "x"}):
+        with pytest.raises(ProtocolError):
+            m.validate_client_message({"t": "rbatch", "seq": 1, "items": [], "peers": peers})
+
+
+def test_server_messages_defaults() -> None:
+    assert m.validate_server_message({"t": "accept"})["last_seq"] == 0
+    assert m.validate_server_message({"t": "accept", "last_seq": True})["last_seq"] == 0
+    assert m.validate_server_message({"t": "refuse", "reason": 3})["reason"] == "refused"
+    with pytest.raises(ProtocolError):
+        m.validate_server_message({"t": "challenge", "nonce": b"short"})
+    with pytest.raises(ProtocolError):
+        m.validate_server_message({"t": "ack", "seq": 0})
+
+
+def test_mac_binds_token_nonce_role_and_sender() -> None:
+    nonce = new_nonce()
+    mac = hello_mac("tok", nonce, "agent", "s1")
+    assert verify_hello_mac("tok", nonce, "agent", "s1", mac)
+    assert not verify_hello_mac("other", nonce, "agent", "s1", mac)
+    assert not verify_hello_mac("tok", new_nonce(), "agent", "s1", mac)
+    assert not verify_hello_mac("tok", nonce, "relay", "s1", mac)
+    assert not verify_hello_mac("tok", nonce, "agent", "s2", mac)
+    assert not verify_hello_mac("tok", nonce, "agent", "s1", "text")
+    assert verify_hello_mac(None, nonce, "agent", "s1", hello_mac("", nonce, "agent", "s1"))
+
+
+_any = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5) | st.binary(max_size=5) | st.floats(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=10,
+)
+_keys = st.sampled_from(["t", "v", "seq", "body", "items", "peers", "node", "stats", "role", "sender", "session", "mac", "identity", "nonce", "last_seq", "reason"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(sorted(m.CLIENT_TYPES | m.SERVER_TYPES | {"zzz"})),
+    st.dictionaries(_keys, _any, max_size=8),
+)
+def test_validators_raise_only_protocol_error(kind: str, fields: dict[str, Any]) -> None:
+    for validate in (m.validate_client_message, m.validate_server_message):
+        try:
+            validate({**fields, "t": kind})
+        except ProtocolError:
+            pass

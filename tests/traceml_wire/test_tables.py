@@ -1,0 +1,103 @@
+"""Columnar tables: encode/decode, type checks, additive evolution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from traceml_wire import ProtocolError
+from traceml_wire.tables import TABLES, TableBuilder, columns, decode_body, encode_body, rows
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_builder_round_trip_fills_missing_columns() -> None:
+    b = TableBuilder("scalars")
+    b.append({"step": 1, "name": "loss", "value": 0.5})
+    b.append({"step": 2, "name": "loss"})
+    assert len(b) == 2
+    body = encode_body({"scalars": b.take()}, sent_ts=1.5)
+    assert len(b) == 0
+    out = decode_body(body)
+    assert out == {"scalars": {"step": [1, 2], "name": ["loss", "loss"], "value": [0.5, None]}}
+    assert msgpack.unpackb(body)["sent_ts"] == 1.5
+
+
+def test_missing_known_columns_become_none() -> None:
+    out = decode_body(_pack({"tables": {"steps": {"step": [1, 2], "step_ns": [10, 20]}}}))
+    assert set(out["steps"]) == set(columns("steps"))
+    assert out["steps"]["forward_ns"] == [None, None]
+    assert rows(out["steps"], ("step", "step_ns")) == [(1, 10), (2, 20)]
+
+
+def test_unknown_tables_and_columns_are_ignored() -> None:
+    body = _pack({"tables": {"future": {"x": [1]}, "scalars": {"step": [1], "name": ["a"], "value": [1.0], "new": ["ragged", 1]}}, "extra": 1})
+    assert decode_body(body) == {"scalars": {"step": [1], "name": ["a"], "value": [1.0]}}
+
+
+def test_empty_tables_are_omitted() -> None:
+    assert decode_body(encode_body({"steps": {}, "scalars": {"step": [], "name": [], "value": []}})) == {}
+    assert decode_body(_pack({})) == {}
+
+
+def test_int_accepted_for_real_columns() -> None:
+    out = decode_body(_pack({"tables": {"scalars": {"step": [1], "name": ["a"], "value": [3]}}}))
+    assert out["scalars"]["value"] == [3]
+
+
+def test_ragged_columns_rejected() -> None:
+    with pytest.raises(ProtocolError, match="different lengths"):
+        decode_body(_pack({"tables": {"scalars": {"step": [1, 2], "name": ["a"]}}}))
+
+
+@pytest.mark.parametrize(
+    "col,values",
+    [("step", [1.5]), ("step", ["1"]), ("step", [True]), ("value", ["x"]), ("value", [False]), ("name", [1]), ("name", [b"a"])],
+)
+def test_wrong_typed_columns_rejected(col: str, values: list[Any]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_body(_pack({"tables": {"scalars": {col: values}}}))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\xc1", _pack([1]), _pack({"tables": [1]}), _pack({"tables": {"scalars": [1]}}), _pack({"tables": {"scalars": {"step": 1}}})],
+)
+def test_malformed_bodies_rejected(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_body(body)
+
+
+def test_every_table_has_unique_typed_columns() -> None:
+    for name, spec in TABLES.items():
+        names = [c for c, _ in spec]
+        assert len(names) == len(set(names)), name
+        assert {k for _, k in spec} <= {"int", "real", "text"}
+
+
+_cell = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=3) | st.binary(max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from([*TABLES, "unknown"]) | st.integers(0, 3),
+        st.dictionaries(st.sampled_from(["step", "name", "value", "ts", "x"]), st.lists(_cell, max_size=3) | _cell, max_size=4)
+        | _cell,
+        max_size=3,
+    )
+)
+def test_decode_raises_only_protocol_error(tables: dict[Any, Any]) -> None:
+    try:
+        out = decode_body(_pack({"tables": tables}))
+    except ProtocolError:
+        return
+    for name, table in out.items():
+        assert set(table) == set(columns(name))
+        assert len({len(v) for v in table.values()}) == 1
