@@ -1,0 +1,36 @@
+"""Fail-open guard: count every failure by kind, warn once per kind.
+
+The capture code runs inside the user's training step (hooks, patches); an
+exception escaping it would crash training for a telemetry bug, so every
+entry point catches and reports here instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+PREFIX = "[traceml] "
+
+
+class ErrorGate:
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self._warn = warn
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def fail(self, kind: str, exc: BaseException | None = None) -> None:
+        """Count one failure of ``kind``; the first of each kind is reported. Never raises."""
+        try:
+            with self._lock:
+                first = kind not in self.counts
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+            if first:
+                detail = f": {exc.__class__.__name__}: {exc}" if exc is not None else ""
+                self._warn(f"{PREFIX}tracer {kind} failed{detail} (further failures of this kind are only counted)")
+        except Exception:  # a broken warn callback must not break training either
+            pass
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())

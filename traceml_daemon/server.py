@@ -1,0 +1,260 @@
+"""The daemon's asyncio shell: sockets in, the single writer out.
+
+Each connection runs a ``PeerSession`` (the protocol logic) over asyncio
+streams; accepted batches go into one ``ByteQueue`` whose bound in bytes is
+the backpressure; one ``StoreWriter`` task commits them and the ack goes back
+only after COMMIT. Everything runs in one ``asyncio.TaskGroup`` so shutdown
+is a single cancellation scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import ssl
+import sys
+from dataclasses import dataclass
+
+from traceml_daemon.aggregates import Aggregates
+from traceml_daemon.counters import Counters
+from traceml_daemon.inbound import ByteQueue, QueueClosed
+from traceml_daemon.session import Batch, Closed, Event, Failed, Hello, PeerSession, Refused
+from traceml_daemon.store.writer import StoreWriter, WorkItem
+from traceml_wire import messages
+from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
+
+log = logging.getLogger("traceml_daemon.server")
+
+READ_CHUNK = 256 * 1024
+
+
+@dataclass
+class ServerConfig:
+    db_path: str
+    host: str = "127.0.0.1"
+    port: int = 29765
+    token: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_connections: int = 1024
+    queue_bytes: int = 64 * 1024 * 1024
+    hello_timeout: float = 10.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _peer_name(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)
+
+
+class DaemonServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.counters = Counters()
+        self.aggregates = Aggregates()
+        self.writer = StoreWriter(config.db_path, self.counters, self.aggregates)
+        self.queue: ByteQueue[WorkItem] = ByteQueue(config.queue_bytes)
+        self._active = 0
+        self._tg: asyncio.TaskGroup | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.bound: tuple[str, int] | None = None
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if not self.config.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        return context
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, then drain the queue, commit and return."""
+        await self.writer.open()
+        try:
+            # Bound before the TaskGroup so a busy port is a plain OSError, not an ExceptionGroup.
+            server = await asyncio.start_server(
+                self._on_connect,
+                self.config.host,
+                self.config.port,
+                ssl=self._ssl_context(),
+                limit=READ_CHUNK,
+                start_serving=False,
+            )
+            async with server, asyncio.TaskGroup() as tg:
+                self._tg = tg
+                await server.start_serving()
+                port = server.sockets[0].getsockname()[1]
+                self.bound = (self.config.host, port)
+                print(f"listening on {self.config.host}:{port}", flush=True)
+                log.info("listening on %s:%d (db %s)", self.config.host, port, self.config.db_path)
+                writer_task = tg.create_task(self.writer.run(self.queue))
+                await stop.wait()
+                log.info("stopping: draining %d queued batches", len(self.queue))
+                server.close()
+                await self.queue.close()  # handlers blocked in put() give up; those batches were never acked
+                await writer_task
+                # Handlers are parked on reads; end them now that nothing more can be stored.
+                for task in list(self._conns):
+                    task.cancel()
+        finally:
+            self._tg = None
+            await self.writer.close()
+
+    # ------------------------------------------------------------ connections
+
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._tg is None:
+            writer.close()
+            return
+        task = self._tg.create_task(self._handle(reader, writer))
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _peer_name(writer)
+        if self._active >= self.config.max_connections:
+            self.counters.refused_peers += 1
+            log.warning("refused %s: too many connections (%d)", peer, self.config.max_connections)
+            with contextlib.suppress(Exception):
+                writer.write(PeerSession(None).refuse("too many connections"))
+                await writer.drain()
+            writer.close()
+            return
+        self._active += 1
+        try:
+            await self._converse(peer, reader, writer)
+        except asyncio.CancelledError:
+            raise
+        except (ConnectionError, ssl.SSLError) as exc:
+            log.info("disconnect %s: %s", peer, exc.__class__.__name__)
+        except Exception:
+            # One peer's failure must never take the daemon (the TaskGroup) down.
+            log.exception("connection %s failed", peer)
+        finally:
+            self._active -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _converse(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = PeerSession(self.config.token, self.config.max_frame_bytes)
+        writer.write(session.challenge())
+        hello: Hello | None = None
+        try:
+            # The hello must arrive in time: a silent or trickling peer (slowloris)
+            # would otherwise hold a connection slot forever. Lifted once accepted.
+            async with asyncio.timeout(self.config.hello_timeout) as deadline:
+                while True:
+                    data = await reader.read(READ_CHUNK)
+                    if not data:
+                        log.info("disconnect %s (%s)", peer, hello.sender if hello else "before hello")
+                        return
+                    for event in self._receive(session, data):
+                        if isinstance(event, Hello):
+                            hello = event
+                            deadline.reschedule(None)
+                            await self._on_hello(peer, session, hello, writer)
+                        elif not await self._on_event(peer, session, hello, event, writer):
+                            return
+        except TimeoutError:
+            if hello is not None:
+                raise
+            self.counters.refused_peers += 1
+            log.warning("refused %s: no hello within %.0f s", peer, self.config.hello_timeout)
+            with contextlib.suppress(Exception):
+                writer.write(session.refuse("no hello in time"))
+
+    def _receive(self, session: PeerSession, data: bytes) -> list[Event]:
+        before = session.frames_received
+        events = session.receive(data)
+        self.counters.frames_received += session.frames_received - before
+        return events
+
+    async def _on_hello(self, peer: str, session: PeerSession, hello: Hello, writer: asyncio.StreamWriter) -> None:
+        # An agent talking directly resumes after what is stored; relays keep
+        # their own resend buffer and learn what is safe from acks.
+        last_seq = self.writer.ingestor.last_seq(hello.sender) if hello.role == messages.ROLE_AGENT else 0
+        self.counters.connections += 1
+        log.info("connect %s role=%s sender=%s session=%s", peer, hello.role, hello.sender, hello.session)
+        writer.write(session.accept(last_seq))
+        await writer.drain()
+
+    async def _on_event(
+        self, peer: str, session: PeerSession, hello: Hello | None, event: Event, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Act on one event; False once the connection must close."""
+        if isinstance(event, Batch):
+            assert hello is not None  # the session only yields batches after a hello
+            return await self._enqueue(hello, event, writer)
+        if isinstance(event, Refused):
+            self.counters.refused_peers += 1
+            log.warning("refused %s: %s", peer, event.reason)
+            writer.write(session.refuse(event.reason))
+            with contextlib.suppress(Exception):
+                await writer.drain()
+            return False
+        if isinstance(event, Failed):
+            if event.oversize:
+                self.counters.oversize_frames += 1
+            else:
+                self.counters.protocol_errors += 1
+            log.warning("closing %s: %s", peer, event.reason)
+            return False
+        if isinstance(event, Closed):
+            log.info("bye %s (%s)", peer, hello.sender if hello else "?")
+        return False
+
+    async def _enqueue(self, hello: Hello, batch: Batch, writer: asyncio.StreamWriter) -> bool:
+        def done(ok: bool, seq: int = batch.seq) -> None:
+            if writer.is_closing():
+                return
+            if ok:
+                writer.write(PeerSession.ack(seq))
+            else:
+                # Not stored: close so the peer reconnects and resends from its buffer.
+                writer.close()
+
+        item = WorkItem(
+            relay_sender=hello.sender,
+            session=hello.session,
+            seq=batch.seq,
+            items=batch.items,
+            peers=batch.peers,
+            node=batch.node,
+            stats=batch.stats,
+            done=done,
+        )
+        try:
+            await self.queue.put(item, batch.nbytes)
+        except QueueClosed:
+            return False
+        return True
+
+
+async def run_server(config: ServerConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # Windows
+            loop.add_signal_handler(sig, stop.set)
+    server = DaemonServer(config)
+    try:
+        await server.serve(stop)
+    except OSError as exc:
+        print(f"traceml-daemon: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    log.info("stopped; %s", server.counters.as_dict())
+    return 0
