@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-DAEMON_SOURCE = "daemon"
+DAEMON_SOURCE = "daemon"  # delivery.source of these counters
+AGENT_PREFIX = "agent:"  # delivery.source of an agent's own drop counters: "agent:" + sender
+RELAY_PREFIX = "relay:"  # delivery.source of a relay's stats: "relay:" + relay sender
 
 
 @dataclass

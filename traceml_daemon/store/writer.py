@@ -20,7 +20,7 @@ from typing import Any
 import aiosqlite
 
 from traceml_daemon.aggregates import Aggregates
-from traceml_daemon.counters import DAEMON_SOURCE, Counters
+from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX, Counters
 from traceml_daemon.inbound import ByteQueue
 from traceml_daemon.ingest import RANK_COLUMNS, Ingestor, Plan, RankState, insert_sql
 from traceml_daemon.store.migrate import migrate
@@ -28,8 +28,6 @@ from traceml_daemon.store.schema import PRAGMAS
 
 log = logging.getLogger("traceml_daemon.writer")
 
-AGENT_PREFIX = "agent:"  # delivery.source of an agent's own drop counters
-RELAY_PREFIX = "relay:"  # delivery.source of a relay's stats
 
 _IDENTITY_UPDATE = ", ".join(
     f"{col}=coalesce(excluded.{col}, {col})"

@@ -1,0 +1,413 @@
+"""The background sender: batches telemetry once per flush and ships it.
+
+Runs on one daemon thread per process with blocking sockets and timeouts (no
+asyncio in the training process). Each flush drains the recorder into one
+numbered batch (seq 1, 2, 3 ...) kept in a byte-capped resend buffer until
+the relay acknowledges it; acks are cumulative. After a reconnect the relay's
+``accept.last_seq`` says what it already holds, the rest is resent in order.
+Reconnects back off exponentially with jitter, so a dead relay costs one
+failed loopback connect every few seconds and nothing on the training thread.
+"""
+
+from __future__ import annotations
+
+import random
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from traceml_wire import messages
+from traceml_wire.auth import hello_mac
+from traceml_wire.errors import ProtocolError
+from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, encode_frame, unpack_message
+from traceml_wire.tables import encode_body
+
+from agent.errors import ErrorReporter
+
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+CONNECT_TIMEOUT_S = 1.0  # loopback: a healthy relay answers in microseconds
+IO_TIMEOUT_S = 2.0
+# Leave headroom under the receivers' frame cap for the batch envelope.
+MAX_BODY_BYTES = DEFAULT_MAX_FRAME_BYTES - 64 * 1024
+
+Tables = dict[str, dict[str, list[Any]]]
+
+
+class Refused(Exception):
+    """The relay answered the hello with refuse."""
+
+
+@dataclass(frozen=True)
+class HelloInfo:
+    sender: str
+    session: str
+    identity: dict[str, Any]
+
+
+class ResendBuffer:
+    """Unacknowledged batch frames in seq order, capped in bytes.
+
+    Past the cap the oldest frames go first (the newest data is the most
+    useful for a live view) and every drop is counted.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: deque[tuple[int, bytes]] = deque()
+        self.bytes = 0
+        self.dropped_batches = 0
+        self.dropped_bytes = 0
+
+    def push(self, seq: int, frame: bytes) -> None:
+        self._items.append((seq, frame))
+        self.bytes += len(frame)
+        # Keep at least the newest frame even if it alone exceeds the cap.
+        while self.bytes > self.max_bytes and len(self._items) > 1:
+            _, old = self._items.popleft()
+            self.bytes -= len(old)
+            self.dropped_batches += 1
+            self.dropped_bytes += len(old)
+
+    def release(self, upto: int) -> None:
+        """Forget every frame with seq <= ``upto`` (a cumulative ack)."""
+        while self._items and self._items[0][0] <= upto:
+            _, frame = self._items.popleft()
+            self.bytes -= len(frame)
+
+    def after(self, seq: int) -> Iterator[tuple[int, bytes]]:
+        return ((s, f) for s, f in list(self._items) if s > seq)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Link:
+    """One authenticated connection to the relay (blocking socket, timeouts)."""
+
+    def __init__(self, sock: socket.socket, decoder: FrameDecoder) -> None:
+        self.sock = sock
+        self._decoder = decoder
+        self._pending: deque[dict[str, Any]] = deque()
+
+    @classmethod
+    def open(
+        cls, host: str, port: int, *, token: str | None, hello: HelloInfo, timeout: float
+    ) -> tuple[Link, int]:
+        """Connect and run the handshake; return the link and accept.last_seq."""
+        sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
+        link = cls(sock, FrameDecoder())
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            deadline = time.monotonic() + timeout
+            challenge = link._read(deadline)
+            if challenge["t"] != messages.CHALLENGE:
+                raise ProtocolError(f"expected challenge, got {challenge['t']!r}")
+            mac = hello_mac(token, challenge["nonce"], messages.ROLE_AGENT, hello.sender)
+            link.send(
+                encode_frame(
+                    messages.hello(
+                        role=messages.ROLE_AGENT,
+                        sender=hello.sender,
+                        session=hello.session,
+                        identity=hello.identity,
+                        mac=mac,
+                    )
+                )
+            )
+            reply = link._read(deadline)
+            if reply["t"] == messages.REFUSE:
+                raise Refused(reply["reason"])
+            if reply["t"] != messages.ACCEPT:
+                raise ProtocolError(f"expected accept, got {reply['t']!r}")
+            return link, int(reply["last_seq"])
+        except BaseException:
+            link.close(bye=False)
+            raise
+
+    def _read(self, deadline: float) -> dict[str, Any]:
+        """The next server message, waiting at most until ``deadline``."""
+        while not self._pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("relay did not answer in time")
+            self.sock.settimeout(remaining)
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("relay closed the connection")
+            self._take(data)
+        return self._pending.popleft()
+
+    def _take(self, data: bytes) -> None:
+        for body in self._decoder.feed(data):
+            self._pending.append(messages.validate_server_message(unpack_message(body)))
+
+    def send(self, frame: bytes) -> None:
+        self.sock.settimeout(IO_TIMEOUT_S)
+        self.sock.sendall(frame)
+
+    def read_acks(self, wait: float) -> int:
+        """Highest ack that arrived within ``wait`` seconds (0 if none).
+
+        Raises ConnectionError when the relay closed or refused mid-stream.
+        """
+        best = 0
+        deadline = time.monotonic() + wait
+        while True:
+            while self._pending:
+                message = self._pending.popleft()
+                if message["t"] == messages.ACK:
+                    best = max(best, message["seq"])
+                elif message["t"] == messages.REFUSE:
+                    raise Refused(message["reason"])
+                else:
+                    raise ProtocolError(f"unexpected {message['t']!r} after accept")
+            remaining = max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self.sock], [], [], remaining)
+            if not readable:
+                return best
+            self.sock.settimeout(IO_TIMEOUT_S)
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("relay closed the connection")
+            self._take(data)
+            if best and not self._pending and time.monotonic() >= deadline:
+                return best
+
+    def close(self, bye: bool) -> None:
+        if bye:
+            try:
+                self.sock.settimeout(0.2)
+                self.sock.sendall(encode_frame(messages.bye()))
+            except OSError:
+                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class BatchSource(Protocol):
+    """What the sender drains each flush (the runtime's batch builder)."""
+
+    def build(self, now: float, *, final: bool) -> Tables: ...
+
+
+def encode_bodies(tables: Tables, now: float, limit: int = MAX_BODY_BYTES) -> list[bytes]:
+    """One body, or several when it would not fit one frame (split rows in halves)."""
+    body = encode_body(tables, sent_ts=now)
+    if len(body) <= limit:
+        return [body]
+    sizes = {name: len(next(iter(cols.values()), [])) for name, cols in tables.items()}
+    if sum(sizes.values()) <= 1:
+        return []  # a single row over the frame cap cannot be sent at all
+    first: Tables = {}
+    second: Tables = {}
+    for name, cols in tables.items():
+        half = sizes[name] // 2 if sizes[name] > 1 else sizes[name]
+        first[name] = {c: v[:half] for c, v in cols.items()}
+        second[name] = {c: v[half:] for c, v in cols.items()}
+    return encode_bodies(first, now, limit) + encode_bodies(second, now, limit)
+
+
+class Sender:
+    """The sender thread: flush, number, buffer, send, resend, back off."""
+
+    def __init__(
+        self,
+        *,
+        source: Callable[[], BatchSource | None],
+        hello: Callable[[bool], HelloInfo | None],
+        host: str,
+        port: int,
+        token: str | None,
+        flush_s: float,
+        buffer_bytes: int,
+        reporter: ErrorReporter,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        self._source_factory = source
+        self._hello_factory = hello
+        self.host, self.port = host, port
+        self._token = token
+        self.flush_s = flush_s
+        self.buffer = ResendBuffer(buffer_bytes)
+        self._reporter = reporter
+        self._prepare = prepare
+        self._wake = threading.Event()
+        self._stop_requested = False
+        self._stop_deadline = 0.0
+        self._thread: threading.Thread | None = None
+        self._link: Link | None = None
+        self._hello: HelloInfo | None = None  # fixed once a relay accepted it
+        self._sent_upto = 0  # highest seq written on the current link
+        self._backoff = BACKOFF_MIN_S
+        self._next_connect = 0.0
+        self.seq = 0
+        self.acked = 0
+        self.connects = 0
+        self.disconnects = 0
+        self.refusals = 0
+        self.finished = threading.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> bool:
+        """Final flush, wait for acks, close; bounded by ``timeout``. True if clean."""
+        self._stop_deadline = time.monotonic() + timeout
+        self._stop_requested = True
+        self._wake.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return False
+        thread.join(timeout + 0.2)  # the loop honours the deadline itself
+        return not thread.is_alive()
+
+    def poke(self) -> None:
+        """Wake the thread now (identity settled: the first hello may go out)."""
+        self._next_connect = 0.0
+        self._wake.set()
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        source: BatchSource | None = None
+        try:
+            if self._prepare is not None:
+                self._prepare()
+            source = self._source_factory()
+        except Exception as exc:
+            self._reporter.report("sender-start", f"telemetry sampler setup failed: {exc!r}")
+        next_flush = time.monotonic() + self.flush_s
+        while not self._stop_requested:
+            now = time.monotonic()
+            wait = next_flush - now
+            if self._link is None and len(self.buffer):
+                wait = min(wait, self._next_connect - now)
+            self._wake.wait(max(0.0, wait))
+            self._wake.clear()
+            if self._stop_requested:
+                break
+            try:
+                if time.monotonic() >= next_flush:
+                    next_flush = max(next_flush + self.flush_s, time.monotonic())
+                    self._flush(source, final=False)
+                self._pump(final=False)
+            except Exception as exc:  # a bug here must not kill telemetry for the run
+                self._reporter.report("sender-loop", f"telemetry sender error: {exc!r}")
+                self._drop_link()
+        try:
+            self._flush(source, final=True)
+            self._pump(final=True)
+        except Exception as exc:
+            self._reporter.report("sender-loop", f"telemetry sender error at shutdown: {exc!r}")
+        finally:
+            if self._link is not None:
+                self._link.close(bye=True)
+                self._link = None
+            self.finished.set()
+
+    def _flush(self, source: BatchSource | None, *, final: bool) -> None:
+        if source is None:
+            return
+        now = time.time()
+        tables = source.build(now, final=final)
+        if not tables:
+            return
+        for body in encode_bodies(tables, now):
+            self.seq += 1
+            self.buffer.push(self.seq, encode_frame(messages.batch(self.seq, body)))
+
+    def _remaining(self) -> float:
+        return self._stop_deadline - time.monotonic()
+
+    def _pump(self, *, final: bool) -> None:
+        """Connect if due, send what the relay lacks, collect acks."""
+        if self._link is None:
+            if not len(self.buffer):
+                return
+            if not final and time.monotonic() < self._next_connect:
+                return
+            if final and self._remaining() <= 0.05:
+                return
+            self._connect(final)
+            if self._link is None:
+                return
+        link = self._link
+        try:
+            for seq, frame in self.buffer.after(self._sent_upto):
+                link.send(frame)
+                self._sent_upto = seq
+            if final:
+                # Wait for the relay to hold everything, within the deadline.
+                while self.acked < self.seq and self._remaining() > 0:
+                    self._ack(link.read_acks(min(0.05, max(0.0, self._remaining()))))
+            else:
+                self._ack(link.read_acks(0.0))
+        except Refused as exc:
+            self._on_refused(str(exc))
+            self._drop_link()
+        except (OSError, ProtocolError):
+            self.disconnects += 1
+            self._reporter.count("disconnect")
+            self._drop_link()
+
+    def _ack(self, seq: int) -> None:
+        if seq > self.acked:
+            self.acked = seq
+            self.buffer.release(seq)
+
+    def _connect(self, final: bool) -> None:
+        hello = self._hello or self._hello_factory(final)
+        if hello is None:  # identity not settled yet: keep the first hello back
+            return
+        timeout = IO_TIMEOUT_S if not final else max(0.05, min(IO_TIMEOUT_S, self._remaining()))
+        try:
+            link, last_seq = Link.open(self.host, self.port, token=self._token, hello=hello, timeout=timeout)
+        except Refused as exc:
+            self._on_refused(str(exc))
+            self._schedule_retry(BACKOFF_MAX_S)
+            return
+        except (OSError, ProtocolError) as exc:
+            self._reporter.report(
+                "connect",
+                f"relay at {self.host}:{self.port} unreachable ({exc.__class__.__name__}); training continues, "
+                f"telemetry is kept (up to {self.buffer.max_bytes // (1024 * 1024)} MiB) and sent when it is back",
+            )
+            self._schedule_retry(self._backoff)
+            self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+            return
+        self._hello = hello
+        self._link = link
+        self.connects += 1
+        self._backoff = BACKOFF_MIN_S
+        self._ack(last_seq)
+        # Everything above the relay's high-water mark goes again, in order.
+        self._sent_upto = max(last_seq, self.acked)
+
+    def _schedule_retry(self, delay: float) -> None:
+        # Jitter spreads the reconnects of many ranks after a relay restart.
+        self._next_connect = time.monotonic() + delay * random.uniform(0.5, 1.0)
+
+    def _on_refused(self, reason: str) -> None:
+        self.refusals += 1
+        self._reporter.report("refused", f"relay refused: {reason}")
+        self._schedule_retry(BACKOFF_MAX_S)
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link.close(bye=False)
+            self._link = None
+        self._sent_upto = self.acked
+        if self._next_connect <= time.monotonic():
+            self._schedule_retry(self._backoff)
+            self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)

@@ -1,0 +1,284 @@
+"""Read-only queries over a traceml database (stdlib sqlite3, WAL readers).
+
+Readers open ``file:PATH?mode=ro`` so they never take the write lock and
+never block the daemon's writer; the TUI, summary, export and compare all
+load data through here.
+
+    conn = open_readonly(path)             # raises StoreError naming the path
+    run = latest_run(conn)                 # RunRef(session, attempt) or None
+    ranks = load_ranks(conn, run)          # list[RankRow]
+    data = load_run(conn, run, last_n=200) # analysis.model.RunData
+    counters = delivery_counters(conn)     # flat summary counters
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData
+from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
+from traceml_daemon.store.schema import SCHEMA_VERSION
+
+
+class StoreError(RuntimeError):
+    """The path is missing or is not a readable traceml database."""
+
+
+@dataclass(frozen=True)
+class RunRef:
+    session: str
+    attempt: int
+
+
+@dataclass
+class RankRow:
+    """One row of ``ranks``: a rank process as the daemon saw it."""
+
+    rank_id: int
+    sender: str
+    session: str
+    attempt: int
+    global_rank: int | None
+    local_rank: int | None
+    node_rank: int | None
+    world_size: int | None
+    local_world_size: int | None
+    nnodes: int | None
+    hostname: str | None
+    parallelism: str | None
+    device: str | None
+    first_seen: float | None
+    last_seen: float | None
+    last_seq: int
+
+
+_RANK_SELECT = (
+    "SELECT rank_id, sender, session, attempt, global_rank, local_rank, node_rank, world_size, "
+    "local_world_size, nnodes, hostname, parallelism, device, first_seen, last_seen, last_seq FROM ranks"
+)
+
+
+def open_readonly(path: str) -> sqlite3.Connection:
+    """Open ``path`` read-only and check it is a traceml database of a known version."""
+    if not os.path.exists(path):
+        raise StoreError(f"{path}: no such database (start `traceml-daemon serve --db {path}` first)")
+    try:
+        conn = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+        version = schema_version(conn)
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path}: not a traceml database ({exc})") from None
+    if version is None:
+        conn.close()
+        raise StoreError(f"{path}: not a traceml database (no schema_version)")
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise StoreError(f"{path}: schema version {version} is newer than this traceml-daemon ({SCHEMA_VERSION}); upgrade")
+    return conn
+
+
+def schema_version(conn: sqlite3.Connection) -> int | None:
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return int(row[0]) if row else None
+
+
+def latest_run(conn: sqlite3.Connection) -> RunRef | None:
+    """The session seen most recently, at its highest attempt (torchelastic restarts)."""
+    row = conn.execute(
+        "SELECT session FROM ranks GROUP BY session ORDER BY max(coalesce(last_seen, first_seen, 0)) DESC LIMIT 1"
+    ).fetchone()
+    if row is None:
+        return None
+    (attempt,) = conn.execute("SELECT max(attempt) FROM ranks WHERE session=?", (row[0],)).fetchone()
+    return RunRef(row[0], int(attempt or 0))
+
+
+def list_runs(conn: sqlite3.Connection) -> list[RunRef]:
+    rows = conn.execute(
+        "SELECT session, attempt FROM ranks GROUP BY session, attempt ORDER BY min(first_seen)"
+    ).fetchall()
+    return [RunRef(s, int(a)) for s, a in rows]
+
+
+def load_ranks(conn: sqlite3.Connection, run: RunRef) -> list[RankRow]:
+    rows = conn.execute(
+        _RANK_SELECT + " WHERE session=? AND attempt=? ORDER BY global_rank, rank_id", (run.session, run.attempt)
+    ).fetchall()
+    return [RankRow(*row) for row in rows]
+
+
+def run_bounds(conn: sqlite3.Connection, run: RunRef) -> tuple[float | None, float | None]:
+    """(started_at, ended_at) wall clock: first and last step end, else first/last seen."""
+    row = conn.execute(
+        "SELECT min(s.ts), max(s.ts) FROM steps s JOIN ranks r USING (rank_id) WHERE r.session=? AND r.attempt=?",
+        (run.session, run.attempt),
+    ).fetchone()
+    seen = conn.execute(
+        "SELECT min(first_seen), max(last_seen) FROM ranks WHERE session=? AND attempt=?", (run.session, run.attempt)
+    ).fetchone()
+    return (row[0] if row[0] is not None else seen[0], row[1] if row[1] is not None else seen[1])
+
+
+_STEP_COLS = ("step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES), "comm_ns", "peak_bytes", "reserved_bytes", "rss_bytes")
+
+
+def _rank_steps(conn: sqlite3.Connection, rank_id: int, last_n: int | None) -> list[tuple[Any, ...]]:
+    cols = ", ".join(_STEP_COLS)
+    if last_n is None:
+        return conn.execute(f"SELECT {cols} FROM steps WHERE rank_id=? ORDER BY step", (rank_id,)).fetchall()
+    # Newest N through the (rank_id, step) index, then back to oldest-first.
+    rows = conn.execute(
+        f"SELECT {cols} FROM steps WHERE rank_id=? ORDER BY step DESC LIMIT ?", (rank_id, last_n)
+    ).fetchall()
+    rows.reverse()
+    return rows
+
+
+def _rank_status(conn: sqlite3.Connection, rank_id: int) -> RankStatus | None:
+    row = conn.execute(
+        "SELECT ts, phase, phase_since, step, steps_done, finished FROM status WHERE rank_id=? ORDER BY ts DESC LIMIT 1",
+        (rank_id,),
+    ).fetchone()
+    if row is None or row[0] is None:
+        return None
+    ts, phase, since, step, done, finished = row
+    return RankStatus(ts, phase or "idle", since if since is not None else ts, step, done or 0, bool(finished))
+
+
+def load_rank_data(conn: sqlite3.Connection, rank: RankRow, last_n: int | None = None) -> RankData:
+    data = RankData(
+        global_rank=rank.global_rank if rank.global_rank is not None else -rank.rank_id,
+        local_rank=rank.local_rank,
+        node_rank=rank.node_rank,
+        hostname=rank.hostname,
+    )
+    rows = _rank_steps(conn, rank.rank_id, last_n)
+    if rows:
+        columns = list(zip(*rows, strict=True))
+        by = dict(zip(_STEP_COLS, columns, strict=True))
+        data.steps = list(by["step"])
+        data.step_ts = list(by["ts"])
+        data.step_ns = list(by["step_ns"])
+        data.phases_ns = {p: list(by[f"{p}_ns"]) for p in PHASES}
+        data.comm_ns = list(by["comm_ns"])
+        data.peak_bytes = list(by["peak_bytes"])
+        data.reserved_bytes = list(by["reserved_bytes"])
+        data.rss_bytes = list(by["rss_bytes"])
+    else:
+        data.phases_ns = {p: [] for p in PHASES}
+    data.status = _rank_status(conn, rank.rank_id)
+    return data
+
+
+def load_systems(conn: sqlite3.Connection, run: RunRef, last_n: int = 120) -> list[NodeSystem]:
+    """Latest host and GPU samples per node (reported by each node's local rank 0)."""
+    out: dict[int, NodeSystem] = {}
+    for rank in load_ranks(conn, run):
+        if rank.node_rank is None:
+            continue
+        node = out.setdefault(rank.node_rank, NodeSystem(node_rank=rank.node_rank, hostname=rank.hostname))
+        rows = conn.execute(
+            "SELECT cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+            (rank.rank_id, last_n),
+        ).fetchall()[::-1]
+        if rows:
+            node.cpu_pct = [r[0] for r in rows]
+            node.mem_used_bytes = [r[1] for r in rows]
+            node.mem_total_bytes = rows[-1][2]
+        gpu_rows = conn.execute(
+            "SELECT gpu_index, util_pct, temp_c, mem_used_bytes, mem_total_bytes FROM gpu WHERE rank_id=? "
+            "ORDER BY ts DESC LIMIT ?",
+            (rank.rank_id, last_n * 8),
+        ).fetchall()[::-1]
+        for idx, util, temp, used, total in gpu_rows:
+            if idx is None:
+                continue
+            node.gpu_util_pct.setdefault(idx, []).append(util)
+            node.gpu_temp_c.setdefault(idx, []).append(temp)
+            node.gpu_mem_used_bytes.setdefault(idx, []).append(used)
+            node.gpu_mem_total_bytes[idx] = total
+    return [out[k] for k in sorted(out)]
+
+
+def run_parallelism(conn: sqlite3.Connection, run: RunRef, ranks: list[RankRow] | None = None) -> str:
+    """fsdp2 > ddp > single, from the traced models, else the hello identity."""
+    found = {
+        row[0]
+        for row in conn.execute(
+            "SELECT DISTINCT m.parallelism FROM models m JOIN ranks r USING (rank_id) WHERE r.session=? AND r.attempt=?",
+            (run.session, run.attempt),
+        )
+    }
+    found |= {r.parallelism for r in (ranks if ranks is not None else load_ranks(conn, run))}
+    for kind in ("fsdp2", "ddp"):
+        if kind in found:
+            return kind
+    return "single"
+
+
+def load_run(
+    conn: sqlite3.Connection, run: RunRef | None = None, *, last_n: int | None = None, live: bool = False
+) -> RunData:
+    """The analysis engine's input for ``run`` (default: the latest run).
+
+    ``last_n`` keeps only each rank's newest N steps (live views); None loads all.
+    """
+    run = run or latest_run(conn)
+    if run is None:
+        return RunData(ranks=[], live=live)
+    ranks = load_ranks(conn, run)
+    return RunData(
+        ranks=[load_rank_data(conn, r, last_n) for r in ranks],
+        parallelism=run_parallelism(conn, run, ranks),
+        now=time.time() if live else None,
+        live=live,
+        systems=load_systems(conn, run),
+    )
+
+
+def fsdp2_memory(conn: sqlite3.Connection, rank_id: int) -> dict[str, int] | None:
+    row = conn.execute(
+        "SELECT local_shard_bytes, estimated_full_bytes FROM models WHERE rank_id=? AND parallelism='fsdp2' "
+        "AND local_shard_bytes IS NOT NULL ORDER BY rowid DESC LIMIT 1",
+        (rank_id,),
+    ).fetchone()
+    if row is None:
+        return None
+    return {"local_shard_bytes": row[0], "estimated_full_bytes": row[1]}
+
+
+def delivery_raw(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
+    """source -> counter -> value, exactly as stored."""
+    out: dict[str, dict[str, int]] = {}
+    for source, counter, value in conn.execute("SELECT source, counter, value FROM delivery"):
+        out.setdefault(source, {})[counter] = value
+    return out
+
+
+def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
+    """Flat counters for the summary: the daemon's own, agents' drops summed,
+    relays' stats summed under ``relay_<counter>``."""
+    raw = delivery_raw(conn)
+    out: dict[str, int] = {
+        "frames_received": 0,
+        "rows_stored": 0,
+        "rows_dropped_reported": 0,
+        "duplicates_discarded": 0,
+        "oversize_frames": 0,
+        "refused_peers": 0,
+    }
+    out.update(raw.get(DAEMON_SOURCE, {}))
+    for source, counters in raw.items():
+        if source.startswith(AGENT_PREFIX):
+            out["rows_dropped_reported"] += sum(counters.values())
+        elif source.startswith(RELAY_PREFIX):
+            for name, value in counters.items():
+                key = f"relay_{name}"
+                out[key] = out.get(key, 0) + value
+    return out
