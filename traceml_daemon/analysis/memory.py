@@ -129,7 +129,7 @@ def _creep(rank: int, values: list[int], policy: MemoryPolicy, capacity: int | N
     if len(values) < 2 * parts:
         return None
     meds = segment_medians(values, parts)
-    if len(meds) != parts or any(b <= a for a, b in zip(meds, meds[1:])):
+    if len(meds) != parts or any(b <= a for a, b in zip(meds, meds[1:], strict=False)):
         return None
     growth = meds[-1] - meds[0]
     if growth < max(policy.creep_min_bytes, policy.creep_min_frac * meds[0]):
