@@ -1,0 +1,282 @@
+"""Daemon ingest through relays into SQLite, against a plain sqlite3 baseline.
+
+R simulated ranks behind K relay processes (K = R/8 by default) speak the real
+wire protocol over real sockets to a real ``traceml-daemon serve``: each relay
+process does the relay handshake, packs its ranks' step, process, memory and
+status rows as agent batch bodies (columnar msgpack), forwards them in
+numbered rbatches and waits for the daemon's acks, which the daemon sends only
+after the rows are committed. Two modes per R:
+
+* ``throughput``: every relay sends as fast as acknowledgements allow (a
+  window of unacknowledged rbatches); reports stored step rows/s end to end
+  and the send-to-stored latency (p50, p99);
+* ``paced``: every rank flushes once per second (the agent's default) for a
+  while; reports the daemon's CPU (% of one core) and peak RSS.
+
+Baseline, same run, same rows: a plain ``sqlite3`` ``executemany`` of the
+same step rows into the same schema (one transaction per batch of rows, WAL).
+
+    python bench/ingest.py                    # R = 64, 1024, 4096
+    python bench/ingest.py --ranks 64 --seconds 5
+
+Ends with one JSON line holding every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS  # noqa: E402
+from traceml_wire import FrameDecoder, encode_frame, unpack_message  # noqa: E402
+from traceml_wire import messages as m  # noqa: E402
+from traceml_wire.auth import hello_mac  # noqa: E402
+from traceml_wire.tables import TableBuilder, columns, encode_body  # noqa: E402
+
+STEPS_PER_FLUSH = 10  # a rank doing 10 steps/s flushing once a second
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _step_rows(rank: int, first_step: int, n: int, rng: random.Random) -> list[dict]:
+    now = time.time()
+    rows = []
+    for i in range(n):
+        fwd, bwd, opt = rng.randint(4_000_000, 6_000_000), rng.randint(8_000_000, 12_000_000), 1_000_000
+        dl, wait = rng.randint(100_000, 400_000), rng.randint(0, 2_000_000)
+        rows.append({"step": first_step + i, "ts": now, "step_ns": fwd + bwd + opt + dl + wait,
+                     "dataloader_ns": dl, "h2d_ns": 200_000, "forward_ns": fwd, "backward_ns": bwd,
+                     "optimizer_ns": opt, "wait_ns": wait, "comm_ns": wait, "peak_bytes": 8 << 30,
+                     "reserved_bytes": 10 << 30, "rss_bytes": 3 << 30, "model_id": 0})
+    return rows
+
+
+def _body(rank: int, first_step: int, n: int, rng: random.Random) -> bytes:
+    tables: dict[str, TableBuilder] = {name: TableBuilder(name) for name in ("steps", "process", "status")}
+    for row in _step_rows(rank, first_step, n, rng):
+        tables["steps"].append(row)
+    now = time.time()
+    tables["process"].append({"ts": now, "cpu_pct": 99.0, "rss_bytes": 3 << 30, "gpu_mem_bytes": 9 << 30,
+                              "threads": 12})
+    tables["status"].append({"ts": now, "phase": "forward", "phase_since": now, "step": first_step + n,
+                             "steps_done": first_step + n, "finished": 0})
+    return encode_body({k: v.take() for k, v in tables.items()}, sent_ts=now)
+
+
+def relay_process(port: int, node: int, ranks: list[int], mode: str, seconds: float, window: int,
+                  out: mp.Queue) -> None:
+    """One simulated relay: handshake, then numbered rbatches of its ranks' bodies."""
+    rng = random.Random(node)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    decoder = FrameDecoder()
+    pending: list[dict] = []
+
+    def read_messages(block: bool) -> list[dict]:
+        sock.setblocking(block)
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return []
+        finally:
+            sock.setblocking(True)
+        if not data:
+            raise ConnectionError("daemon closed the connection")
+        return [unpack_message(b) for b in decoder.feed(data)]
+
+    while not pending:
+        pending = read_messages(True)
+    nonce = pending.pop(0)["nonce"]
+    sender = f"bench-relay-{node}-{os.getpid()}"
+    sock.sendall(encode_frame(m.hello(role="relay", sender=sender, session="bench", identity={"node_rank": node},
+                                      mac=hello_mac(None, nonce, "relay", sender))))
+    reply = pending or read_messages(True)
+    if reply[0]["t"] != "accept":
+        raise SystemExit(f"refused: {reply[0]}")
+    peers = {f"bench/r{r}": {"global_rank": r, "local_rank": r % 8, "node_rank": node, "world_size": 0,
+                             "hostname": f"node{node}"} for r in ranks}
+    agent_seq = dict.fromkeys(ranks, 0)
+    step = dict.fromkeys(ranks, 0)
+    sent_at: dict[int, float] = {}
+    latencies: list[float] = []
+    seq = acked = rows = 0
+    deadline = time.monotonic() + seconds
+    next_flush = time.monotonic()
+    while time.monotonic() < deadline:
+        if mode == "paced":
+            wait = next_flush - time.monotonic()
+            if wait > 0:
+                for msg in read_messages(False):
+                    if msg["t"] == "ack":
+                        acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+                time.sleep(min(wait, 0.05))
+                continue
+            next_flush += 1.0
+        elif seq - acked >= window:
+            for msg in read_messages(True):
+                if msg["t"] == "ack":
+                    acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+            continue
+        items = []
+        for r in ranks:
+            agent_seq[r] += 1
+            items.append([f"bench/r{r}", agent_seq[r], _body(r, step[r], STEPS_PER_FLUSH, rng)])
+            step[r] += STEPS_PER_FLUSH
+        seq += 1
+        sock.sendall(encode_frame(m.relay_batch(seq, items, peers, {"node_rank": node}, {})))
+        sent_at[seq] = time.monotonic()
+        rows += len(ranks) * STEPS_PER_FLUSH
+    # drain the remaining acks so every counted row is stored
+    drain_deadline = time.monotonic() + 120
+    while acked < seq and time.monotonic() < drain_deadline:
+        for msg in read_messages(True):
+            if msg["t"] == "ack":
+                acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+    done_at = time.monotonic()
+    sock.close()
+    out.put({"rows": rows, "latencies": latencies, "done_at": done_at})
+
+
+def _on_ack(seq: int, acked: int, sent_at: dict[int, float], latencies: list[float]) -> int:
+    now = time.monotonic()
+    for s in range(acked + 1, seq + 1):
+        t = sent_at.pop(s, None)
+        if t is not None:
+            latencies.append(now - t)
+    return max(acked, seq)
+
+
+def sqlite_baseline(total_rows: int, tmp: Path) -> float:
+    """Plain sqlite3 executemany of the same step rows into the same schema."""
+    db = tmp / "baseline.db"
+    conn = sqlite3.connect(db)
+    for pragma in PRAGMAS:
+        conn.execute(pragma)
+    for stmt in MIGRATIONS[0]:
+        conn.execute(stmt)
+    cols = ("rank_id",) + columns("steps")
+    sql = f"INSERT INTO steps ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+    rng = random.Random(0)
+    chunk = 64 * STEPS_PER_FLUSH * 8
+    batches = []
+    made = 0
+    while made < total_rows:
+        rows = _step_rows(0, made, min(chunk, total_rows - made), rng)
+        batches.append([(i % 4096,) + tuple(r[c] for c in columns("steps")) for i, r in enumerate(rows)])
+        made += len(rows)
+    start = time.perf_counter()
+    for batch in batches:
+        with conn:
+            conn.executemany(sql, batch)
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return total_rows / elapsed
+
+
+def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    daemon = subprocess.Popen([sys.executable, "-m", "traceml_daemon", "serve", "--port", str(port), "--db",
+                               str(tmp / "ingest.db"), "--max-connections", str(relays + 64)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise SystemExit("daemon did not start") from None
+            time.sleep(0.1)
+    proc = psutil.Process(daemon.pid)
+    proc.cpu_percent(None)
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()
+    per = [list(range(i, ranks, relays)) for i in range(relays)]
+    workers = [ctx.Process(target=relay_process, args=(port, i, per[i], mode, seconds, window, out))
+               for i in range(relays)]
+    cpu0 = proc.cpu_times()
+    start = time.monotonic()
+    for w in workers:
+        w.start()
+    peak_rss = 0
+    results = []
+    while len(results) < relays:
+        try:
+            results.append(out.get(timeout=0.25))
+        except Exception:
+            pass
+        peak_rss = max(peak_rss, proc.memory_info().rss)
+    end = max(r["done_at"] for r in results)
+    cpu1 = proc.cpu_times()
+    for w in workers:
+        w.join()
+    daemon.terminate()
+    daemon.wait(60)
+    rows = sum(r["rows"] for r in results)
+    lat = sorted(x for r in results for x in r["latencies"])
+    elapsed = end - start
+    cpu_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    return {
+        "ranks": ranks, "relays": relays, "mode": mode, "rows": rows, "seconds": elapsed,
+        "rows_per_s": rows / elapsed,
+        "latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
+        "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+        "daemon_cpu_pct": 100 * cpu_s / elapsed, "daemon_peak_rss_mb": peak_rss / 2**20,
+        "tmp": str(tmp),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="*", default=[64, 1024, 4096])
+    p.add_argument("--seconds", type=float, default=8.0, help="sending time per case")
+    p.add_argument("--window", type=int, default=4, help="unacknowledged rbatches per relay (throughput mode)")
+    args = p.parse_args()
+    figures: dict[str, float | None] = {}
+    for ranks in args.ranks:
+        relays = max(1, ranks // 8)
+        for mode in ("throughput", "paced"):
+            r = run_case(ranks, relays, mode, args.seconds, args.window)
+            tag = f"r{ranks}_{mode}"
+            if mode == "throughput":
+                base = sqlite_baseline(r["rows"], Path(r["tmp"]))
+                ratio = r["rows_per_s"] / base
+                print(f"R={ranks:5d} K={relays:4d} throughput: {r['rows_per_s']:,.0f} step rows/s stored end to end; "
+                      f"baseline plain sqlite3 executemany {base:,.0f} rows/s; ratio {ratio:.2f}; "
+                      f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
+                      f"daemon CPU {r['daemon_cpu_pct']:.0f}%, peak RSS {r['daemon_peak_rss_mb']:.0f} MB")
+                figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_sqlite_rows_per_s": base,
+                                f"{tag}_ratio": ratio, f"{tag}_p50_ms": r["latency_p50_ms"],
+                                f"{tag}_p99_ms": r["latency_p99_ms"]})
+            else:
+                print(f"R={ranks:5d} K={relays:4d} paced 1 flush/s/rank: {r['rows_per_s']:,.0f} step rows/s; "
+                      f"daemon CPU {r['daemon_cpu_pct']:.0f}% of one core, peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
+                      f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms")
+                figures.update({f"{tag}_cpu_pct": r["daemon_cpu_pct"], f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
+                                f"{tag}_p99_ms": r["latency_p99_ms"]})
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
