@@ -72,12 +72,20 @@ class Plan:
         return not (self.rows or self.ranks or self.relay_stats or self.agent_drops)
 
 
-def parse_agent_sender(sender: str) -> tuple[str, int] | None:
-    """(session, attempt) encoded in an agent sender id, if it has that shape."""
+@dataclass(frozen=True)
+class SenderId:
+    session: str
+    attempt: int
+    node_rank: int
+    global_rank: int
+
+
+def parse_agent_sender(sender: str) -> SenderId | None:
+    """What an agent sender id states about its rank, if it has the agent shape."""
     match = _AGENT_SENDER.match(sender)
     if match is None:
         return None
-    return match["session"], int(match["attempt"])
+    return SenderId(match["session"], int(match["attempt"]), int(match["node"]), int(match["rank"]))
 
 
 class Ingestor:
@@ -137,11 +145,14 @@ class Ingestor:
         parsed = parse_agent_sender(sender)
         # The sender id is the agent's own statement of its session; the relay's
         # hello session is the fallback for senders of another shape.
-        sess = parsed[0] if parsed else (session or "unknown")
-        attempt = identity.get("attempt", parsed[1] if parsed else 0)
+        sess = parsed.session if parsed else (session or "unknown")
+        attempt = identity.get("attempt", parsed.attempt if parsed else 0)
         values = dict(identity)
-        # Node identity comes from the relay that forwarded it (GROUP_RANK on that
-        # host) when the agent did not state it, never from the hostname alone.
+        if parsed is not None:
+            values.setdefault("global_rank", parsed.global_rank)
+            values.setdefault("node_rank", parsed.node_rank)
+        # Otherwise node identity comes from the relay that forwarded it (GROUP_RANK
+        # on that host), never from the hostname alone.
         for key in ("node_rank", "hostname"):
             if values.get(key) is None and node.get(key) is not None:
                 values[key] = node[key]

@@ -1,0 +1,61 @@
+"""Command-line behaviour that needs no running peers."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.procs import DaemonProcess, base_env
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "traceml_daemon", *args], capture_output=True, text=True, env=base_env(**env), timeout=60
+    )
+
+
+def test_non_loopback_bind_without_token_is_refused_at_start(tmp_path: Path) -> None:
+    db = tmp_path / "run.db"
+    done = run_cli("serve", "--host", "0.0.0.0", "--port", "0", "--db", str(db))
+    assert done.returncode == 2
+    assert "TRACEML_TOKEN" in done.stderr and "--token-file" in done.stderr
+    assert "listening" not in done.stdout
+    assert not db.exists()
+
+
+def test_token_file_allows_non_loopback_and_never_leaks(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token-123\n")
+    daemon = DaemonProcess(tmp_path / "run.db", host="0.0.0.0", args=["--token-file", str(token_file)])
+    with daemon:
+        assert daemon.stop(signal.SIGINT) == 0
+    assert "file-token-123" not in daemon.log()
+
+
+def test_empty_token_file_is_a_usage_error(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("")
+    done = run_cli("serve", "--port", "0", "--db", str(tmp_path / "x.db"), "--token-file", str(token_file))
+    assert done.returncode == 2 and "empty" in done.stderr
+
+
+def test_serve_refuses_a_database_newer_than_the_code(tmp_path: Path) -> None:
+    db = tmp_path / "new.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+    conn.execute("INSERT INTO meta VALUES ('schema_version', '999')")
+    conn.commit()
+    conn.close()
+    done = run_cli("serve", "--port", "0", "--db", str(db))
+    assert done.returncode == 2
+    assert "newer" in done.stderr and "upgrade" in done.stderr
+
+
+def test_help_lists_every_subcommand() -> None:
+    done = run_cli("--help")
+    assert done.returncode == 0
+    for name in ("serve", "summary", "ingest", "tui", "compare", "export", "demo"):
+        assert name in done.stdout

@@ -1,0 +1,37 @@
+"""The daemon side must never pull in torch (it runs on head nodes without GPUs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support.procs import base_env
+
+MODULES = [
+    "traceml_daemon",
+    "traceml_daemon.cli",
+    "traceml_daemon.server",
+    "traceml_daemon.session",
+    "traceml_daemon.ingest",
+    "traceml_daemon.aggregates",
+    "traceml_daemon.summary",
+    "traceml_daemon.spool_ingest",
+    "traceml_daemon.store.writer",
+    "traceml_daemon.store.reader",
+    "traceml_daemon.store.migrate",
+]
+
+
+def test_daemon_modules_do_not_import_torch() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "from traceml_daemon.cli import build_parser\n"
+        "build_parser()\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not bad, bad\n"
+        "assert 'textual' not in sys.modules, 'the CLI must import the TUI lazily'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), timeout=60)
+    assert done.returncode == 0, done.stderr

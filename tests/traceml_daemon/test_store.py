@@ -1,0 +1,158 @@
+"""Writer, migrations, reader and live aggregates against a real SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tests.traceml_daemon.wire_client import agent_sender, steps_body
+from traceml_daemon.aggregates import Aggregates
+from traceml_daemon.inbound import ByteQueue
+from traceml_daemon.store import reader
+from traceml_daemon.store.migrate import SchemaError, migrate
+from traceml_daemon.store.schema import SCHEMA_VERSION
+from traceml_daemon.store.writer import StoreWriter, WorkItem
+from traceml_wire.tables import encode_body
+
+A0, A1 = agent_sender("s1", 0), agent_sender("s1", 1, node=1)
+PEERS = {A0: {"global_rank": 0, "local_rank": 0, "world_size": 2}, A1: {"global_rank": 1, "local_rank": 0}}
+
+
+def item(seq: int, items: list[list[object]], stats: dict[str, int] | None = None, node: int = 0) -> WorkItem:
+    return WorkItem("relay/s1/n0/1-r", "s1", seq, items, PEERS, {"node_rank": node, "hostname": f"h{node}"}, stats or {})
+
+
+async def write_all(db: Path, *batches: list[WorkItem], aggregates: Aggregates | None = None) -> StoreWriter:
+    writer = StoreWriter(str(db), aggregates=aggregates)
+    await writer.open()
+    for work in batches:
+        assert await writer.write(work)
+    await writer.close()
+    return writer
+
+
+def test_migrate_creates_schema_and_refuses_newer(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    assert migrate(str(db)) == SCHEMA_VERSION
+    assert migrate(str(db)) == SCHEMA_VERSION  # idempotent
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
+    conn.commit()
+    conn.close()
+    with pytest.raises(SchemaError, match="newer"):
+        migrate(str(db))
+    with pytest.raises(reader.StoreError, match="newer"):
+        reader.open_readonly(str(db))
+
+
+def test_foreign_database_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "other.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(SchemaError, match="not a traceml database"):
+        migrate(str(db))
+    with pytest.raises(reader.StoreError, match="not a traceml database"):
+        reader.open_readonly(str(db))
+
+
+def test_dedup_within_and_across_transactions_and_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    first = [item(1, [[A0, 1, steps_body(0, 3)], [A0, 1, steps_body(0, 3)], [A1, 1, steps_body(0, 3)]])]
+    writer = asyncio.run(write_all(db, first, [item(2, [[A0, 1, steps_body(0, 3)], [A0, 2, steps_body(3, 3)]])]))
+    assert writer.counters.rows_stored == 9
+    assert writer.counters.duplicates_discarded == 2
+    # A new writer on the same file knows the high-water marks from ranks.last_seq.
+    writer = asyncio.run(write_all(db, [item(1, [[A0, 2, steps_body(3, 3)], [A1, 2, steps_body(3, 3)]])]))
+    assert writer.counters.rows_stored == 12
+    assert writer.counters.duplicates_discarded == 3
+    conn = reader.open_readonly(str(db))
+    run = reader.latest_run(conn)
+    assert run == reader.RunRef("s1", 0)
+    ranks = reader.load_ranks(conn, run)
+    assert [(r.global_rank, r.node_rank, r.hostname, r.last_seq) for r in ranks] == [(0, 0, "h0", 2), (1, 1, "h0", 2)]
+    data = reader.load_run(conn, run)
+    assert [len(r.steps) for r in data.ranks] == [6, 6]
+    assert data.ranks[0].phases_ns["forward"] == [6_000_000] * 6
+    assert len(reader.load_run(conn, run, last_n=2).ranks[0].steps) == 2
+    assert reader.delivery_counters(conn)["rows_stored"] == 12
+
+
+def test_node_identity_comes_from_the_agent_before_the_relay(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    peers = {A0: {"global_rank": 0, "node_rank": 3}}
+    work = WorkItem("relay/s1/n0/1-r", "s1", 1, [[A0, 1, steps_body(0, 1)]], peers, {"node_rank": 0, "hostname": "same"}, {})
+    asyncio.run(write_all(db, [work]))
+    conn = reader.open_readonly(str(db))
+    (rank,) = reader.load_ranks(conn, reader.RunRef("s1", 0))
+    assert (rank.node_rank, rank.hostname) == (3, "same")
+
+
+def test_relay_stats_and_agent_drops_are_delivery_counters(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    drops = encode_body({"drops": {"ts": [1.0, 1.0], "source": ["recorder", "sender"], "count": [5, 2]}})
+    older = encode_body({"drops": {"ts": [0.5], "source": ["recorder"], "count": [3]}})
+    asyncio.run(
+        write_all(
+            db,
+            [item(1, [[A0, 1, drops]], stats={"dropped_batches": 4})],
+            [item(2, [[A0, 2, older]], stats={"dropped_batches": 1})],  # counters never go back
+        )
+    )
+    counters = reader.delivery_counters(reader.open_readonly(str(db)))
+    assert counters["rows_dropped_reported"] == 7
+    assert counters["relay_dropped_batches"] == 4
+
+
+def test_bad_body_is_counted_and_skipped_not_fatal(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    writer = asyncio.run(write_all(db, [item(1, [[A0, 1, b"\xc1garbage"], [A1, 1, steps_body(0, 2)]])]))
+    assert writer.counters.bad_bodies == 1
+    assert writer.counters.rows_stored == 2
+
+
+def test_aggregates_track_rolling_medians_as_batches_commit(tmp_path: Path) -> None:
+    aggregates = Aggregates(window=4)
+    asyncio.run(
+        write_all(
+            tmp_path / "x.db",
+            [item(1, [[A0, 1, steps_body(0, 10, step_ns=10_000_000)], [A1, 1, steps_body(0, 2)]])],
+            [item(2, [[A0, 2, steps_body(10, 4, step_ns=30_000_000)]])],
+            aggregates=aggregates,
+        )
+    )
+    snap = {s.global_rank: s for s in aggregates.snapshot()}
+    assert snap[0].step_ms_median == 30.0  # only the last 4 steps are in the window
+    assert snap[0].steps_seen == 14 and snap[0].last_step == 13
+    assert snap[1].step_ms_median == 20.0
+    assert snap[1].phases_ms_median["backward"] == 9.0
+
+
+def test_byte_queue_blocks_producers_until_the_writer_releases() -> None:
+    async def scenario() -> list[str]:
+        queue: ByteQueue[str] = ByteQueue(100)
+        events: list[str] = []
+        await queue.put("a", 60)
+
+        async def producer() -> None:
+            await queue.put("b", 60)
+            events.append("b queued")
+
+        task = asyncio.create_task(producer())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        events.append("a taken")
+        taken = await queue.get_many(1000, timeout=1)
+        assert [x for x, _ in taken] == ["a"]
+        await asyncio.sleep(0)
+        assert not task.done()  # bytes stay accounted until released
+        await queue.release(60)
+        await task
+        return events
+
+    assert asyncio.run(scenario()) == ["a taken", "b queued"]

@@ -1,0 +1,83 @@
+"""`traceml-daemon summary` over a database written by the real daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.procs import DaemonProcess, base_env
+from tests.traceml_daemon.wire_client import WireClient, agent_sender, steps_body
+from traceml_wire import messages
+
+
+def summary(db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "traceml_daemon", "summary", "--db", str(db), *extra],
+        capture_output=True, text=True, env=base_env(), timeout=120,
+    )
+
+
+def write_run(db: Path) -> None:
+    """2 nodes x 2 ranks through two relays; rank 3 is slower."""
+    with DaemonProcess(db) as daemon:
+        for node in (0, 1):
+            with WireClient(daemon.port) as c:
+                assert c.handshake(f"relay/s1/n{node}/9-r")["t"] == messages.ACCEPT
+                items, peers = [], {}
+                for local in (0, 1):
+                    rank = node * 2 + local
+                    sender = agent_sender("s1", rank, node=node)
+                    step_ns = 40_000_000 if rank == 3 else 20_000_000
+                    items.append([sender, 1, steps_body(0, 20, step_ns=step_ns)])
+                    peers[sender] = {"global_rank": rank, "local_rank": local, "node_rank": node,
+                                     "world_size": 4, "nnodes": 2, "hostname": f"host{node}", "parallelism": "ddp"}
+                c.rbatch(1, items, peers, node={"node_rank": node, "hostname": f"host{node}"}, stats={"dropped_batches": 0})
+                assert c.recv() == {"t": "ack", "seq": 1}
+        assert daemon.stop() == 0
+
+
+def test_summary_json_has_the_documented_keys(tmp_path: Path) -> None:
+    db = tmp_path / "run.db"
+    write_run(db)
+    done = summary(db, "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    for key in ("schema_version", "session", "started_at", "ended_at", "topology", "ranks", "nodes", "verdicts", "delivery"):
+        assert key in out
+    assert out["session"] == "s1"
+    assert out["topology"] == {"nnodes": 2, "world_size": 4, "parallelism": "ddp"}
+    assert [r["global_rank"] for r in out["ranks"]] == [0, 1, 2, 3]
+    r3 = out["ranks"][3]
+    assert (r3["node_rank"], r3["local_rank"], r3["hostname"], r3["steps"]) == (1, 1, "host1", 20)
+    assert (r3["first_step"], r3["last_step"], r3["step_ms_median"]) == (0, 19, 40.0)
+    assert set(r3["phases_ms_median"]) == {"dataloader", "h2d", "forward", "backward", "optimizer", "wait"}
+    assert r3["memory"]["rss_bytes"] == 1 << 30 and r3["memory"]["peak_bytes"] is None
+    assert [(n["node_rank"], n["ranks"], n["worst_rank"]) for n in out["nodes"]] == [(0, [0, 1], 0), (1, [2, 3], 3)]
+    assert isinstance(out["verdicts"], list)
+    delivery = out["delivery"]
+    assert delivery["rows_stored"] == 80 and delivery["duplicates_discarded"] == 0
+    assert delivery["rows_dropped_reported"] == 0 and delivery["frames_received"] >= 4
+    # The files next to the db hold the same summary.
+    assert json.loads((tmp_path / "final_summary.json").read_text())["ranks"] == out["ranks"]
+    assert "host1" in (tmp_path / "final_summary.txt").read_text()
+
+
+def test_summary_text_is_a_readable_table(tmp_path: Path) -> None:
+    db = tmp_path / "run.db"
+    write_run(db)
+    done = summary(db)
+    assert done.returncode == 0, done.stderr
+    assert "session s1" in done.stdout
+    assert "dataloader" in done.stdout and "Delivery" in done.stdout
+
+
+def test_summary_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    done = summary(missing)
+    assert done.returncode == 2 and str(missing) in done.stderr
+    bogus = tmp_path / "bogus.db"
+    bogus.write_text("not sqlite at all " * 100)
+    done = summary(bogus)
+    assert done.returncode == 2 and str(bogus) in done.stderr and "not a traceml database" in done.stderr

@@ -1,0 +1,78 @@
+"""A small blocking client that speaks the real wire to a real daemon (tests only)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from traceml_wire import auth, messages
+from traceml_wire.framing import FrameDecoder, encode_frame, unpack_message
+from traceml_wire.tables import encode_body
+
+
+def agent_sender(session: str, rank: int, node: int = 0, attempt: int = 0) -> str:
+    return f"{session}/a{attempt}/n{node}/r{rank}/1000-abcd"
+
+
+def steps_body(first: int, n: int, step_ns: int = 20_000_000, rss: int = 1 << 30) -> bytes:
+    steps = list(range(first, first + n))
+    cols: dict[str, list[Any]] = {
+        "step": steps,
+        "ts": [1_700_000_000.0 + s for s in steps],
+        "step_ns": [step_ns] * n,
+        "dataloader_ns": [2_000_000] * n,
+        "h2d_ns": [100_000] * n,
+        "forward_ns": [6_000_000] * n,
+        "backward_ns": [9_000_000] * n,
+        "optimizer_ns": [2_000_000] * n,
+        "wait_ns": [900_000] * n,
+        "rss_bytes": [rss] * n,
+    }
+    return encode_body({"steps": cols}, sent_ts=1_700_000_000.0)
+
+
+class WireClient:
+    def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 20.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.decoder = FrameDecoder()
+        self.pending: list[bytes] = []
+
+    def recv(self) -> dict[str, Any] | None:
+        """Next message, or None when the daemon closed the connection."""
+        while not self.pending:
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:
+                return None  # closed while our last bytes were in flight: still "closed"
+            if not data:
+                return None
+            self.pending.extend(self.decoder.feed(data))
+        return messages.validate_server_message(unpack_message(self.pending.pop(0)))
+
+    def send(self, message: dict[str, Any] | bytes) -> None:
+        self.sock.sendall(encode_frame(message))
+
+    def handshake(
+        self, sender: str, token: str | None = None, role: str = messages.ROLE_RELAY, session: str = "s1",
+        identity: dict[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        challenge = self.recv()
+        assert challenge is not None and challenge["t"] == messages.CHALLENGE
+        mac = auth.hello_mac(token, challenge["nonce"], role, sender)
+        self.send(messages.hello(role=role, sender=sender, session=session, identity=identity or {}, mac=mac))
+        return self.recv()
+
+    def rbatch(
+        self, seq: int, items: list[list[Any]], peers: dict[str, dict[str, Any]], node: dict[str, Any] | None = None,
+        stats: dict[str, int] | None = None,
+    ) -> None:
+        self.send(messages.relay_batch(seq, items, peers, node or {"node_rank": 0, "hostname": "h0"}, stats or {}))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> WireClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
