@@ -122,14 +122,25 @@ class Spool:
         while len(self) and self._seqs[self._head] <= seq:
             self._pop_head()
 
-    def close(self) -> None:
-        """Remove every segment file (unacked records are given up)."""
+    def close(self, keep_unacked: bool = True) -> list[str]:
+        """Close every segment; return the paths kept on disk.
+
+        Segments still holding unacknowledged records are kept by default so an
+        operator can load them later with ``traceml-daemon ingest`` (the daemon
+        dedups, so acked records that share a kept segment add nothing).
+        """
         segments = {id(e.segment): e.segment for e in self._entries[self._head :]}
         if self._writing is not None:
             segments[id(self._writing)] = self._writing
+        kept: list[str] = []
         for segment in segments.values():
-            self._discard(segment)
+            if keep_unacked and segment.live > 0:
+                os.close(segment.fd)
+                kept.append(segment.path)
+            else:
+                self._discard(segment)
         self._entries, self._seqs, self._head, self._writing, self.live_bytes = [], [], 0, None, 0
+        return kept
 
     # ------------------------------------------------------------ internals
 

@@ -1,0 +1,345 @@
+"""NodeRelay: the loopback server for a node's agents, forwarding upstream.
+
+Per agent connection: challenge -> hello (role "agent", HMAC on the token) ->
+accept(last_seq) -> for every ``batch``: hold it, ack it. Bodies are never
+unpacked; they travel on as opaque bytes inside rbatches (see upstream.py).
+
+Two ways to run it:
+  * ``async with NodeRelay(...) as relay:`` / ``await relay.serve()`` (tests,
+    the standalone ``traceml-relay``);
+  * ``start_relay_thread(...)`` from the agent of local rank 0: the relay's
+    loop runs on a daemon thread beside training, so a slow daemon can never
+    block the training thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import tempfile
+import threading
+from typing import Any
+
+from relay._frames import ConnectionClosed, MessageStream
+from relay._loop import new_event_loop
+from relay.upstream import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_FLUSH_INTERVAL,
+    DEFAULT_SPOOL_BYTES,
+    Upstream,
+    warn,
+)
+from traceml_wire import DEFAULT_MAX_FRAME_BYTES, ProtocolError
+from traceml_wire import messages as wm
+from traceml_wire.auth import new_nonce, verify_hello_mac
+
+DEFAULT_PORT = 29766
+DEFAULT_DAEMON = ("127.0.0.1", 29765)
+HELLO_TIMEOUT = 10.0
+# Agent frames are forwarded inside an rbatch that must fit the daemon's 16 MiB
+# cap, so leave room for the rbatch envelope (sender, peers, node, stats).
+AGENT_MAX_FRAME_BYTES = DEFAULT_MAX_FRAME_BYTES - 256 * 1024
+
+
+def default_spool_dir(session: str) -> str:
+    """TRACEML_SPOOL_DIR, else a per-session directory under the temp dir."""
+    configured = os.environ.get("TRACEML_SPOOL_DIR")
+    if configured:
+        return configured
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in session)[:100] or "default"
+    return os.path.join(tempfile.gettempdir(), "traceml-spool", safe)
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) to a tuple; ValueError with a clear message."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class NodeRelay:
+    def __init__(
+        self,
+        *,
+        port: int = DEFAULT_PORT,
+        upstream: tuple[str, int] = DEFAULT_DAEMON,
+        token: str | None = None,
+        session: str,
+        node: dict[str, Any],
+        spool_dir: str | None = None,
+        host: str = "127.0.0.1",
+        tls_ca: str | None = None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        spool_bytes: int = DEFAULT_SPOOL_BYTES,
+        flush_interval: float = DEFAULT_FLUSH_INTERVAL,
+        hello_timeout: float = HELLO_TIMEOUT,
+        max_frame_bytes: int = AGENT_MAX_FRAME_BYTES,
+    ) -> None:
+        if not token and not _is_loopback(host):
+            # Anyone on the network could inject telemetry: refuse at start.
+            raise ValueError(f"refusing to listen on non-loopback {host} without a token")
+        self.host = host
+        self.port = port
+        self._token = token
+        self.hello_timeout = hello_timeout
+        self.max_frame_bytes = max_frame_bytes
+        self.upstream = Upstream(
+            daemon=upstream,
+            token=token,
+            session=session,
+            node=node,
+            spool_dir=spool_dir,
+            buffer_bytes=buffer_bytes,
+            spool_bytes=spool_bytes,
+            flush_interval=flush_interval,
+            tls_ca=tls_ca,
+        )
+        self.stats = self.upstream.stats
+        self._held: dict[str, int] = {}  # agent sender -> highest seq held (dedup high-water)
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._streams: set[MessageStream] = set()
+        self._main: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        self._closing = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind the agent port (raises OSError if taken) and start forwarding."""
+        self._server = await asyncio.start_server(self._on_agent, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._main = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.upstream.run())
+            tg.create_task(self.upstream.packer())
+
+    async def serve(self) -> None:
+        """Start (if needed) and run until ``aclose`` is called."""
+        if self._server is None:
+            await self.start()
+        await self._stopped.wait()
+
+    async def aclose(self, timeout: float = 2.0) -> None:
+        """Stop taking agents, flush what is held upstream within ``timeout``, close."""
+        if self._closing:
+            await self._stopped.wait()
+            return
+        self._closing = True
+        try:
+            if self._server is not None:
+                self._server.close()
+            # Abort the agent sockets rather than cancel their tasks: each handler then
+            # ends through its normal ConnectionClosed path (asyncio logs cancelled
+            # start_server callbacks as errors).
+            for stream in list(self._streams):
+                stream.writer.transport.abort()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            try:
+                await asyncio.wait_for(self.upstream.wait_drained(), timeout)
+            except asyncio.TimeoutError:
+                if self.upstream.unacked:
+                    warn(f"stopping with {self.upstream.unacked} rbatch(es) not acknowledged by the daemon")
+            await self.upstream.say_bye()
+            if self._main is not None:
+                self._main.cancel()
+                await asyncio.gather(self._main, return_exceptions=True)
+            self.upstream.close()
+        finally:
+            self._stopped.set()
+
+    async def __aenter__(self) -> NodeRelay:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def statistics(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.stats.as_dict()
+        out["upstream_connected"] = self.upstream.connected
+        out["unacked_rbatches"] = self.upstream.unacked
+        out["memory_bytes"] = self.upstream.memory_bytes
+        out["spool_bytes"] = self.upstream.spool.live_bytes if self.upstream.spool else 0
+        return out
+
+    # ------------------------------------------------------------ agents
+
+    async def _on_agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Track the connection task so aclose() can end it.
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+        await self._agent(reader, writer)
+
+    async def _agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = MessageStream(reader, writer, self.max_frame_bytes)
+        if self._closing:
+            writer.transport.abort()
+            return
+        self._streams.add(stream)
+        sender: str | None = None
+        try:
+            sender = await self._handshake(stream)
+            if sender is None:
+                return
+            self.stats.agents_connected += 1
+            try:
+                await self._receive_batches(stream, sender)
+            finally:
+                self.stats.agents_connected -= 1
+        except ConnectionClosed:
+            pass
+        except ProtocolError as exc:
+            # One bad agent loses its connection; every other agent carries on.
+            self.stats.agent_protocol_errors += 1
+            warn(f"closing agent connection ({sender or 'before hello'}): {exc}")
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            self._streams.discard(stream)
+            await stream.close()
+
+    async def _handshake(self, stream: MessageStream) -> str | None:
+        nonce = new_nonce()
+        await stream.send(wm.challenge(nonce))
+        try:
+            hello = wm.validate_client_message(await asyncio.wait_for(stream.read_message(), self.hello_timeout))
+        except asyncio.TimeoutError:
+            return await self._refuse(stream, "no hello within the timeout")
+        except ProtocolError as exc:
+            return await self._refuse(stream, f"bad hello: {exc}")
+        if hello["t"] != wm.HELLO:
+            return await self._refuse(stream, f"expected hello, got {hello['t']!r}")
+        if hello["role"] != wm.ROLE_AGENT:
+            return await self._refuse(stream, f"role {hello['role']!r} cannot connect to a relay")
+        sender = hello["sender"]
+        if not verify_hello_mac(self._token, nonce, hello["role"], sender, hello["mac"]):
+            return await self._refuse(stream, "authentication failed (token mismatch)")
+        self.upstream.peers[sender] = hello["identity"]
+        await stream.send(wm.accept(self._held.get(sender, 0)))
+        return sender
+
+    async def _refuse(self, stream: MessageStream, reason: str) -> None:
+        self.stats.refused_agents += 1
+        warn(f"refused an agent: {reason}")
+        try:
+            await asyncio.wait_for(stream.send(wm.refuse(reason)), 1.0)
+        except (OSError, ConnectionError, asyncio.TimeoutError):
+            pass
+        return None
+
+    async def _receive_batches(self, stream: MessageStream, sender: str) -> None:
+        while True:
+            message = wm.validate_client_message(await stream.read_message())
+            kind = message["t"]
+            if kind == wm.BYE:
+                return
+            if kind != wm.BATCH:
+                raise ProtocolError(f"agents send batch or bye, not {kind!r}")
+            seq = message["seq"]
+            if seq <= self._held.get(sender, 0):
+                self.stats.duplicate_batches += 1  # resent after a reconnect; already held
+            else:
+                self.upstream.put(sender, seq, message["body"])
+                self._held[sender] = seq
+            # Waiting for the ack to drain before reading the next frame is the
+            # per-connection backpressure: a stalled agent socket stops our reads.
+            await stream.send(wm.ack(seq))
+
+
+# ---------------------------------------------------------------- thread API
+
+
+class RelayHandle:
+    """A relay running on its own daemon thread (see ``start_relay_thread``)."""
+
+    def __init__(self, relay: NodeRelay, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self._relay = relay
+        self._loop = loop
+        self._thread = thread
+        self.port = relay.port
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Flush held data upstream for at most ``timeout`` seconds, then close."""
+        if not self._thread.is_alive():
+            return
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._relay.aclose(timeout), self._loop)
+            future.result(timeout + 2.0)
+        except Exception as exc:  # never raise into the training process at exit
+            warn(f"relay stop: {exc!r}")
+        self._thread.join(timeout + 2.0)
+
+    def statistics(self) -> dict[str, Any]:
+        return dict(self._relay.statistics())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+def start_relay_thread(
+    *,
+    port: int,
+    upstream: tuple[str, int],
+    token: str | None,
+    session: str,
+    node: dict[str, Any],
+    spool_dir: str | None = None,
+) -> RelayHandle:
+    """Run a NodeRelay on a daemon thread; return once its port is bound.
+
+    Raises OSError (quickly) when the port is taken, e.g. by another process's
+    relay on this node; the caller decides what that means.
+    """
+    ready = threading.Event()
+    outcome: dict[str, Any] = {}
+    loop = new_event_loop()
+
+    async def main() -> None:
+        try:
+            relay = NodeRelay(
+                port=port,
+                upstream=upstream,
+                token=token,
+                session=session,
+                node=node,
+                spool_dir=spool_dir or default_spool_dir(session),
+            )
+            await relay.start()
+        except BaseException as exc:
+            outcome["error"] = exc
+            ready.set()
+            return
+        outcome["relay"] = relay
+        ready.set()
+        await relay.serve()
+
+    def target() -> None:
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=target, name="traceml-relay", daemon=True)
+    thread.start()
+    ready.wait()
+    if "error" in outcome:
+        thread.join()
+        raise outcome["error"]
+    return RelayHandle(outcome["relay"], loop, thread)

@@ -1,0 +1,326 @@
+"""The relay's single connection to the daemon, and everything it must not lose.
+
+Agent batches arrive as ``[sender, seq, body]`` items (bodies stay opaque
+bytes). They are packed into numbered ``rbatch`` messages about once per flush
+interval, or sooner when ~1 MiB is pending. Every rbatch stays in the unacked
+buffer until the daemon acks it (acks are cumulative); after a reconnect the
+whole buffer is resent in order, and the daemon discards what it already
+stored (it dedups by agent sender/seq), which gives at-least-once delivery
+without duplicates in the database.
+
+Buffer = spool (oldest, on disk, optional) followed by memory (newest), all in
+rbatch seq order. When memory exceeds its byte cap the oldest rbatches spill to
+the spool, or, without a spool, are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import sys
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from relay._frames import MessageStream
+from relay.backoff import Backoff
+from relay.spool_file import Packed, Spool
+from traceml_wire import DEFAULT_MAX_FRAME_BYTES, ProtocolError, pack_message
+from traceml_wire import messages as wm
+from traceml_wire.auth import hello_mac
+
+DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
+DEFAULT_SPOOL_BYTES = 1024 * 1024 * 1024
+FLUSH_BYTES = 1024 * 1024
+DEFAULT_FLUSH_INTERVAL = 0.5
+CONNECT_TIMEOUT = 5.0
+
+
+@dataclass
+class RelayStats:
+    """Counters sent upstream in every rbatch ``stats`` (cumulative, except
+    ``agents_connected`` which is the current number of agent connections).
+
+    Batch counts are agent batches (rbatch items), not rbatches.
+    """
+
+    dropped_batches: int = 0  # lost for good: memory overflow without spool, plus spool_dropped_batches
+    dropped_bytes: int = 0  # agent body bytes of those
+    spooled_batches: int = 0  # written to the spool
+    spool_dropped_batches: int = 0  # dropped from the spool (cap or a bad record)
+    agents_connected: int = 0
+    refused_agents: int = 0  # hellos refused (bad token, role, version) or timed out
+    agent_protocol_errors: int = 0  # agent connections closed for a bad frame/message
+    received_batches: int = 0  # agent batches accepted into the buffer
+    duplicate_batches: int = 0  # agent batches resent after a reconnect, skipped
+    rbatches_sent: int = 0
+    rbatches_acked: int = 0
+    upstream_connects: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def warn(message: str) -> None:
+    """Relay diagnostics go to stderr with a fixed prefix (never the token)."""
+    print(f"[traceml relay] {message}", file=sys.stderr, flush=True)
+
+
+class Upstream:
+    def __init__(
+        self,
+        *,
+        daemon: tuple[str, int],
+        token: str | None,
+        session: str,
+        node: dict[str, Any],
+        spool_dir: str | None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        spool_bytes: int = DEFAULT_SPOOL_BYTES,
+        flush_interval: float = DEFAULT_FLUSH_INTERVAL,
+        tls_ca: str | None = None,
+        backoff: Backoff | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.daemon = daemon
+        self._token = token
+        self.session = session
+        self.node = wm.clean_identity(node)
+        node_rank = self.node.get("node_rank", 0)
+        self.sender = f"relay/{session}/n{node_rank}/{os.getpid()}-{os.urandom(3).hex()}"
+        self.stats = RelayStats()
+        self.buffer_bytes = buffer_bytes
+        self.flush_interval = flush_interval
+        self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
+        self._backoff = backoff or Backoff()
+        self._max_frame_bytes = max_frame_bytes
+        self.spool = Spool(spool_dir, spool_bytes) if spool_dir and spool_bytes > 0 else None
+        # Items not yet packed, and the identity each agent sender gave in its hello.
+        self._pending: list[list[Any]] = []
+        self._pending_bytes = 0
+        self.peers: dict[str, dict[str, Any]] = {}
+        # Packed, unacked rbatches kept in memory (newest part of the buffer).
+        self._memory: deque[Packed] = deque()
+        self._memory_bytes = 0
+        self._next_seq = 1
+        self._acked = 0
+        self._changed = asyncio.Event()  # new data to send, or an ack arrived
+        self.connected = False
+        self._stream: MessageStream | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------ intake
+
+    def put(self, sender: str, seq: int, body: bytes) -> None:
+        """Hold one agent batch (the relay acks the agent right after this)."""
+        if self._pending_bytes + len(body) > FLUSH_BYTES and self._pending:
+            self.pack()  # keep every rbatch near FLUSH_BYTES, far below the frame cap
+        self._pending.append([sender, seq, body])
+        self._pending_bytes += len(body)
+        self.stats.received_batches += 1
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.pack()
+
+    def pack(self) -> None:
+        """Turn the pending items into one numbered rbatch in the buffer."""
+        if not self._pending:
+            return
+        items, self._pending = self._pending, []
+        body_bytes, self._pending_bytes = self._pending_bytes, 0
+        peers = {s: self.peers.get(s, {}) for s in {item[0] for item in items}}
+        # Make room *before* taking the stats snapshot, so the rbatch that caused
+        # a drop also reports it (the last rbatch before shutdown included).
+        estimate = body_bytes + sum(len(item[0]) + 16 for item in items) + sum(len(p) + 256 for p in peers) + 1024
+        self._evict(estimate)
+        seq = self._next_seq
+        self._next_seq += 1
+        data = pack_message(wm.relay_batch(seq, items, peers, self.node, self.stats.as_dict()))
+        self._push(Packed(seq, data, len(items), body_bytes))
+
+    def _push(self, packed: Packed) -> None:
+        self._memory.append(packed)
+        self._memory_bytes += len(packed.data)
+        self._evict(0, keep=1)  # the estimate in pack() was low; keep the newest regardless
+        self._changed.set()
+
+    def _evict(self, incoming: int, keep: int = 0) -> None:
+        """Spill (or drop) the oldest in-memory rbatches until ``incoming`` more bytes fit."""
+        while self._memory_bytes + incoming > self.buffer_bytes and len(self._memory) > keep:
+            old = self._memory.popleft()
+            self._memory_bytes -= len(old.data)
+            if self.spool is not None:
+                try:
+                    self.spool.append(old)
+                    self.stats.spooled_batches += old.n_items
+                except OSError as exc:
+                    self._warn_once("spool-write", f"cannot write spool in {self.spool.directory}: {exc}; dropping")
+                    self._count_drop(old)
+                self._collect_spool_drops()
+            else:
+                self._count_drop(old)
+
+    def _count_drop(self, packed: Packed) -> None:
+        self.stats.dropped_batches += packed.n_items
+        self.stats.dropped_bytes += packed.body_bytes
+
+    def _collect_spool_drops(self) -> None:
+        if self.spool is None:
+            return
+        for packed in self.spool.dropped:
+            self.stats.spool_dropped_batches += packed.n_items
+            self._count_drop(packed)
+        self.spool.dropped.clear()
+
+    # ------------------------------------------------------------ buffer view
+
+    @property
+    def unacked(self) -> int:
+        """rbatches held (spool + memory) and not acked yet, plus one if items are pending."""
+        return len(self._memory) + (len(self.spool) if self.spool else 0) + (1 if self._pending else 0)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._memory_bytes
+
+    def _next_after(self, seq: int) -> Packed | None:
+        """The oldest buffered rbatch with a seq above ``seq`` (spool first)."""
+        if self.spool is not None and len(self.spool):
+            found = self.spool.next_after(seq)
+            self._collect_spool_drops()
+            if found is not None:
+                return found
+        if not self._memory:
+            return None
+        # Memory seqs are contiguous (spills, drops and acks all leave from the left).
+        index = max(0, seq + 1 - self._memory[0].seq)
+        return self._memory[index] if index < len(self._memory) else None
+
+    def ack(self, seq: int) -> None:
+        if seq <= self._acked:
+            return
+        self.stats.rbatches_acked += seq - self._acked
+        self._acked = seq
+        if self.spool is not None:
+            self.spool.ack(seq)
+        while self._memory and self._memory[0].seq <= seq:
+            self._memory_bytes -= len(self._memory.popleft().data)
+        self._changed.set()
+
+    async def wait_drained(self) -> None:
+        """Return once every held batch has been acked by the daemon."""
+        self.pack()
+        while self.unacked:
+            self._changed.clear()
+            await self._changed.wait()
+
+    # ------------------------------------------------------------ tasks
+
+    async def packer(self) -> None:
+        """Pack pending items about once per flush interval."""
+        while True:
+            await asyncio.sleep(self.flush_interval)
+            self.pack()
+
+    async def run(self) -> None:
+        """Keep one daemon connection up; resend the unacked buffer after each reconnect."""
+        while True:
+            try:
+                await self._connect_and_stream()
+            except (OSError, ConnectionError, ProtocolError, asyncio.TimeoutError, EOFError) as exc:
+                self._warn_once(f"up-{type(exc).__name__}", f"daemon {self.daemon[0]}:{self.daemon[1]} unreachable or dropped: {exc!r}; retrying")
+            except Exception as exc:  # a bug must not silently end forwarding for the whole node
+                self._warn_once(f"bug-{type(exc).__name__}", f"unexpected error on the daemon connection: {exc!r}; retrying")
+            finally:
+                self.connected = False
+            await asyncio.sleep(self._backoff.next_delay())
+
+    async def _connect_and_stream(self) -> None:
+        host, port = self.daemon
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=self._ssl, server_hostname=host if self._ssl else None),
+            CONNECT_TIMEOUT,
+        )
+        stream = MessageStream(reader, writer, self._max_frame_bytes)
+        try:
+            challenge = wm.validate_server_message(await asyncio.wait_for(stream.read_message(), CONNECT_TIMEOUT))
+            if challenge["t"] != wm.CHALLENGE:
+                raise ProtocolError(f"expected challenge, got {challenge['t']!r}")
+            mac = hello_mac(self._token, challenge["nonce"], wm.ROLE_RELAY, self.sender)
+            identity = {**self.node, "pid": os.getpid()}
+            await stream.send(wm.hello(role=wm.ROLE_RELAY, sender=self.sender, session=self.session, identity=identity, mac=mac))
+            reply = wm.validate_server_message(await asyncio.wait_for(stream.read_message(), CONNECT_TIMEOUT))
+            if reply["t"] == wm.REFUSE:
+                raise ProtocolError(f"daemon refused the relay: {reply['reason']}")
+            if reply["t"] != wm.ACCEPT:
+                raise ProtocolError(f"expected accept, got {reply['t']!r}")
+            self.ack(reply["last_seq"])
+            self.connected = True
+            self.stats.upstream_connects += 1
+            self._backoff.reset()
+            self._warned.clear()  # a later outage deserves a fresh message
+            self._stream = stream
+            # Either half failing ends the connection; the other is cancelled and
+            # the first cause propagates as a plain exception for run() to classify.
+            tasks = [asyncio.ensure_future(self._read_acks(stream)), asyncio.ensure_future(self._send_all(stream))]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for task in done:
+                task.result()
+        finally:
+            self._stream = None
+            await stream.close()
+
+    async def _send_all(self, stream: MessageStream) -> None:
+        sent = self._acked  # everything above the ack is resent on a new connection
+        while True:
+            packed = self._next_after(sent)
+            if packed is None:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            await stream.send(packed.data)
+            self.stats.rbatches_sent += 1
+            sent = packed.seq
+
+    async def _read_acks(self, stream: MessageStream) -> None:
+        while True:
+            message = wm.validate_server_message(await stream.read_message())
+            if message["t"] != wm.ACK:
+                raise ProtocolError(f"unexpected {message['t']!r} from daemon")
+            self.ack(message["seq"])
+
+    async def say_bye(self) -> None:
+        """Tell the daemon this is a clean end of stream (best effort)."""
+        stream = self._stream
+        if stream is not None and self.connected:
+            try:
+                await asyncio.wait_for(stream.send(wm.bye()), 0.5)
+            except (OSError, ConnectionError, asyncio.TimeoutError):
+                pass
+
+    def close(self) -> None:
+        """Final step of a stop: whatever the daemon has not acked goes to the spool
+        and stays on disk (for a later ``traceml-daemon ingest``); without a spool
+        it is dropped and counted."""
+        self.pack()
+        if self.spool is None:
+            for packed in self._memory:
+                self._count_drop(packed)
+        else:
+            self._evict(self.buffer_bytes + 1)  # spill every in-memory rbatch
+            kept = self.spool.close(keep_unacked=True)
+            if kept:
+                warn(f"daemon did not acknowledge everything; unsent data kept in {len(kept)} spool file(s) under {self.spool.directory}")
+        self._memory.clear()
+        self._memory_bytes = 0
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn(message)
+
