@@ -73,8 +73,13 @@ def _pressure_verdicts(pressure: list[tuple[int, float, int, int]], policy: Memo
             severity,
             scope,
             f"{who} peak at {worst[1]:.0%} of device memory ({worst[2] / MiB:.0f} of {worst[3] / MiB:.0f} MiB on rank {worst[0]})",
-            {"ranks": rank_ranges(p[0] for p in hot), "worst_rank": worst[0], "fraction": round(worst[1], 4),
-             "peak_bytes": worst[2], "capacity_bytes": worst[3]},
+            {
+                "ranks": rank_ranges(p[0] for p in hot),
+                "worst_rank": worst[0],
+                "fraction": round(worst[1], 4),
+                "peak_bytes": worst[2],
+                "capacity_bytes": worst[3],
+            },
             "One allocation spike away from OOM: lower the micro-batch, use activation checkpointing, bf16, "
             "or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation.",
         )
@@ -95,8 +100,14 @@ def _imbalance_verdicts(typical: list[tuple[int, float]], policy: MemoryPolicy, 
             "warn",
             {},
             f"rank {hi[0]} uses {hi[1] / MiB:.0f} MiB ({metric}) vs {lo[1] / MiB:.0f} MiB on rank {lo[0]} ({diff / hi[1]:.0%} less)",
-            {"metric": metric, "max_rank": hi[0], "max_bytes": int(hi[1]), "min_rank": lo[0], "min_bytes": int(lo[1]),
-             "fraction": round(diff / hi[1], 4)},
+            {
+                "metric": metric,
+                "max_rank": hi[0],
+                "max_bytes": int(hi[1]),
+                "min_rank": lo[0],
+                "min_bytes": int(lo[1]),
+                "fraction": round(diff / hi[1], 4),
+            },
             "Ranks hold different amounts: check uneven batch or sequence lengths, rank-0-only work (eval, logging, "
             "checkpoint gathering) and, for FSDP2, uneven shard sizes.",
         )
@@ -137,7 +148,8 @@ def _creep(rank: int, values: list[int], policy: MemoryPolicy, capacity: int | N
     # First and last segment medians sit (parts-1)/parts of the series apart.
     per_step = growth / (len(values) * (parts - 1) / parts)
     to_full = int(max(0.0, capacity - values[-1]) / per_step) if capacity and per_step > 0 else None
-    confirmed = len(values) >= policy.creep_confirm_steps and growth >= policy.creep_confirm_frac * meds[0]
+    filling = to_full is not None and to_full <= policy.creep_confirm_full_steps
+    confirmed = len(values) >= policy.creep_confirm_steps and (growth >= policy.creep_confirm_frac * meds[0] or filling)
     return Creep(rank, confirmed, len(values), meds[0], meds[-1], per_step, to_full)
 
 

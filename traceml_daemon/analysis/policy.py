@@ -45,10 +45,11 @@ class MemoryPolicy:
     imbalance_frac: float = 0.20  # (max - min) / max across ranks
     imbalance_min_bytes: int = 256 * 2**20
     creep_segments: int = 4  # series cut in N parts; creep = every part's median above the last
-    creep_min_frac: float = 0.02  # growth first -> last part, of the first part
+    creep_min_frac: float = 0.002  # growth first -> last part, of the first part
     creep_min_bytes: int = 8 * 2**20
     creep_confirm_steps: int = 100  # fewer steps: CREEP_EARLY (info), more: CREEP_CONFIRMED (warn)
-    creep_confirm_frac: float = 0.05
+    creep_confirm_frac: float = 0.02
+    creep_confirm_full_steps: int = 100_000  # ... or projected to fill the device within this many steps
 
 
 @dataclass(frozen=True)

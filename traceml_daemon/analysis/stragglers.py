@@ -189,7 +189,11 @@ def rank_verdicts(
             where += f" (node {e.node_rank})"
         ev = _evidence(e, phase)
         ev["stragglers_total"] = len(kept)
-        out.append(Verdict(name, _severity(e, policy), scope, f"{where} is a straggler: {_gap_text(e, phase)}", ev, _NEXT[group]))
+        out.append(
+            Verdict(
+                name, _severity(e, policy), scope, f"{where} is a straggler: {_gap_text(e, phase)}", ev, _NEXT[group]
+            )
+        )
     return out
 
 

@@ -65,7 +65,11 @@ def node_system_verdicts(node: NodeSystem, policy: SystemPolicy) -> list[Verdict
                     "critical" if frac >= 0.99 else "warn",
                     scope,
                     f"{name}: host RAM {frac:.0%} used ({(median(used) or 0.0) / GiB:.1f} of {node.mem_total_bytes / GiB:.1f} GiB)",
-                    {"fraction": round(frac, 4), "mem_used_bytes": int(median(used) or 0), "mem_total_bytes": node.mem_total_bytes},
+                    {
+                        "fraction": round(frac, 4),
+                        "mem_used_bytes": int(median(used) or 0),
+                        "mem_total_bytes": node.mem_total_bytes,
+                    },
                     "Close to swapping or the OOM killer: fewer DataLoader workers or smaller prefetch, "
                     "shared-memory datasets, or check for a leak in the training process (see memory creep).",
                 )

@@ -8,6 +8,7 @@ of a long run loses at most ``warmup_steps`` steps of it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -27,13 +28,17 @@ class RankProfile:
     n_window: int  # steps after warm-up and windowing
     step_ms: float | None = None
     phases_ms: dict[str, float | None] = field(default_factory=dict)
-    busy_ms: float | None = None  # step minus wait: the rank's own work (what DDP sync hides)
+    busy_ms: float | None = None  # the rank's own work: step minus wait under DDP (what sync hides), else step
     captured: dict[str, bool] = field(default_factory=dict)  # phase non-zero on some window step
     bad_clock_steps: int = 0  # phases summing past the step, negative durations, time going back
 
 
-def _at(values: Sequence[T | None], i: int) -> T | None:
-    return values[i] if i < len(values) else None
+def _slice(values: Sequence[T | None], lo: int, hi: int) -> list[T | None]:
+    """values[lo:hi], padded with None where the loader gave a shorter list."""
+    out = list(values[lo:hi])
+    if len(out) < hi - lo:
+        out.extend([None] * (hi - lo - len(out)))
+    return out
 
 
 def run_first_step(run: RunData) -> int | None:
@@ -41,50 +46,69 @@ def run_first_step(run: RunData) -> int | None:
     return min(firsts) if firsts else None
 
 
-def window_indices(rank: RankData, cut: int | None, window: int | None) -> list[int]:
-    """Indices of ``rank.steps`` past warm-up (step >= cut), the last ``window`` of them."""
-    idx = [i for i, s in enumerate(rank.steps) if cut is None or s >= cut]
-    if window is not None and len(idx) > window:
-        idx = idx[-window:]
-    return idx
+def window_bounds(rank: RankData, cut: int | None, window: int | None) -> tuple[int, int]:
+    """[lo, hi) of ``rank.steps`` past warm-up (step >= cut), the last ``window`` of them.
+
+    Steps are oldest first, so the window is one contiguous slice: O(log n) to find."""
+    hi = len(rank.steps)
+    lo = 0 if cut is None else bisect_left(rank.steps, cut)
+    if window is not None:
+        lo = max(lo, hi - window)
+    return lo, hi
 
 
-def profile_rank(rank: RankData, cut: int | None, window: int | None, clock_slack: float) -> RankProfile:
-    idx = window_indices(rank, cut, window)
-    prof = RankProfile(rank.global_rank, rank.node_rank, rank.hostname, len(rank.steps), len(idx))
-    step = [_at(rank.step_ns, i) for i in idx]
-    phases = {p: [_at(rank.phases_ns.get(p, ()), i) for i in idx] for p in PHASES}
+def window_indices(rank: RankData, cut: int | None, window: int | None) -> range:
+    lo, hi = window_bounds(rank, cut, window)
+    return range(lo, hi)
+
+
+def profile_rank(
+    rank: RankData, cut: int | None, window: int | None, clock_slack: float, measured_wait: bool = True
+) -> RankProfile:
+    lo, hi = window_bounds(rank, cut, window)
+    prof = RankProfile(rank.global_rank, rank.node_rank, rank.hostname, len(rank.steps), hi - lo)
+    step = _slice(rank.step_ns, lo, hi)
+    phases = {p: _slice(rank.phases_ns.get(p, ()), lo, hi) for p in PHASES}
     prof.step_ms = _ms(median(step))
     prof.phases_ms = {p: _ms(median(v)) for p, v in phases.items()}
     prof.captured = {p: any(v) for p, v in phases.items()}
-    busy: list[float] = []
+    wait = phases["wait"]
+    if measured_wait:
+        prof.busy_ms = _ms(median(s - (w or 0) for s, w in zip(step, wait, strict=True) if s is not None))
+    else:
+        prof.busy_ms = prof.step_ms
+    prof.bad_clock_steps = _bad_clock_steps(step, list(phases.values()), _slice(rank.step_ts, lo, hi), clock_slack)
+    return prof
+
+
+def _bad_clock_steps(
+    step: list[int | None], phases: list[list[int | None]], ts: list[float | None], slack: float
+) -> int:
+    """Steps whose phases sum past the step, hold a negative duration, or end before the previous one."""
     bad = 0
-    last_ts: float | None = None
-    for k, i in enumerate(idx):
-        s = step[k]
-        parts = [phases[p][k] for p in PHASES]
+    last: float | None = None
+    for s, t, *parts in zip(step, ts, *phases, strict=True):
         measured = [v for v in parts if v is not None]
-        ts = _at(rank.step_ts, i)
         if (
-            (s is not None and (s <= 0 or sum(measured) > s * (1.0 + clock_slack)))
-            or any(v < 0 for v in measured)
-            or (ts is not None and last_ts is not None and ts < last_ts)
+            (s is not None and (s <= 0 or sum(measured) > s * (1.0 + slack)))
+            or (measured and min(measured) < 0)
+            or (t is not None and last is not None and t < last)
         ):
             bad += 1
-        if ts is not None:
-            last_ts = ts
-        if s is not None:
-            busy.append(s - (phases["wait"][k] or 0))
-    prof.busy_ms = _ms(median(busy))
-    prof.bad_clock_steps = bad
-    return prof
+        if t is not None:
+            last = t
+    return bad
 
 
 def profiles(run: RunData, warmup_steps: int, window: int | None, clock_slack: float) -> list[RankProfile]:
     """One profile per rank, in ``run.ranks`` order. ``window=None`` keeps every post-warm-up step."""
     first = run_first_step(run)
     cut = None if first is None else first + warmup_steps
-    return [profile_rank(r, cut, window, clock_slack) for r in run.ranks]
+    # Only DDP measures wait as time blocked on peers; elsewhere it is the unmeasured
+    # residual of the step, which is the rank's own (slow) work and must count as busy.
+    # A measured all-reduce (comm_ns) marks DDP too, should the run be labelled otherwise.
+    measured_wait = run.parallelism == "ddp" or any(v is not None for r in run.ranks for v in r.comm_ns[-1:])
+    return [profile_rank(r, cut, window, clock_slack, measured_wait) for r in run.ranks]
 
 
 def _ms(value: float | None) -> float | None:
