@@ -23,15 +23,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData, Verdict
+from traceml_daemon.analysis.model import PHASES, RankData, RankStatus, RunData, Verdict
 
 WINDOW = 32  # recent steps per rank kept in memory for medians and diagnosis
 SERIES_POINTS = 120  # default W for downsampled series
-_STEP_COLS = ("step", "ts", "step_ns") + tuple(f"{p}_ns" for p in PHASES) + (
-    "comm_ns",
-    "peak_bytes",
-    "reserved_bytes",
-    "rss_bytes",
+_STEP_COLS = (
+    ("step", "ts", "step_ns")
+    + tuple(f"{p}_ns" for p in PHASES)
+    + (
+        "comm_ns",
+        "peak_bytes",
+        "reserved_bytes",
+        "rss_bytes",
+    )
 )
 
 
@@ -198,6 +202,14 @@ def median(values: Iterable[float | int | None]) -> float | None:
     return float(xs[mid]) if n % 2 else (xs[mid - 1] + xs[mid]) / 2.0
 
 
+def _median_col(col: Sequence[float | int | None]) -> float | None:
+    xs = sorted([v for v in col if v is not None])
+    n = len(xs)
+    if not n:
+        return None
+    return float(xs[n // 2]) if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2.0
+
+
 def _ms(ns: float | None) -> float | None:
     return None if ns is None else ns / 1e6
 
@@ -346,6 +358,7 @@ class TuiData:
         self._verdicts: list[Verdict] = []
         self._verdicts_ok = False
         self._parallelism = "single"
+        self._last_seen: float | None = None
 
     def close(self) -> None:
         self.con.close()
@@ -373,21 +386,21 @@ class TuiData:
             self._steps_rowid = 0
             self._status_rowid = 0
         new: list[_RankState] = []
+        # Only senders not seen yet are read row by row; liveness needs just the newest last_seen.
+        known = max(self._ranks, default=0)
         for r in self.con.execute(
             "SELECT rank_id, global_rank, local_rank, node_rank, hostname, first_seen, last_seen, parallelism "
-            "FROM ranks WHERE session=? AND attempt=? ORDER BY global_rank",
-            session,
+            "FROM ranks WHERE session=? AND attempt=? AND rank_id>? ORDER BY global_rank",
+            (*session, known),
         ):
-            st = self._ranks.get(r[0])
             if r[7]:
                 self._parallelism = str(r[7])
-            if st is None:
-                st = _RankState(r[0], int(r[1] if r[1] is not None else r[0]), r[2], int(r[3] or 0), r[4], r[5], r[6])
-                self._ranks[r[0]] = st
-                new.append(st)
-            else:
-                st.last_seen = r[6]
-                st.hostname = r[4]
+            st = _RankState(r[0], int(r[1] if r[1] is not None else r[0]), r[2], int(r[3] or 0), r[4], r[5], r[6])
+            self._ranks[r[0]] = st
+            new.append(st)
+        self._last_seen = self.con.execute(
+            "SELECT MAX(last_seen) FROM ranks WHERE session=? AND attempt=?", session
+        ).fetchone()[0]
         if new:
             self._initial_windows(new)
 
@@ -461,9 +474,10 @@ class TuiData:
 
     def _rank_row(self, st: _RankState) -> RankRow:
         if st.medians is None:
-            rows = list(st.window.values())
-            step_ms = _ms(median(r[2] for r in rows))
-            phases = {p: _ms(median(r[3 + i] for r in rows)) for i, p in enumerate(PHASES)}
+            # Transpose once; list comprehensions here are the hot loop at 4096 ranks.
+            cols = list(zip(*st.window.values(), strict=True))
+            step_ms = _ms(_median_col(cols[2]))
+            phases = {p: _ms(_median_col(cols[3 + i])) for i, p in enumerate(PHASES)}
             st.medians = (step_ms, phases)
         latest = st.window[st.last_step] if st.last_step in st.window else None
         steps = 0 if st.last_step is None or st.first_step is None else st.last_step - st.first_step + 1
@@ -507,7 +521,7 @@ class TuiData:
         states = list(self._ranks.values())
         now = self.clock()
         first = min((s.first_seen for s in states if s.first_seen is not None), default=None)
-        last = max((s.last_seen for s in states if s.last_seen is not None), default=None)
+        last = self._last_seen
         finished = bool(states) and all(s.status is not None and s.status.finished for s in states)
         live = not finished and last is not None and now - last < 30.0
         uptime = None if first is None else ((now if live else (last or first)) - first)
@@ -566,7 +580,9 @@ class TuiData:
         out.sort(key=lambda n: (n.median_ms is None, -(n.median_ms or 0.0), -(n.skew_pct or 0.0), n.node_rank))
         return out
 
-    def _series(self, key: tuple[Any, ...], table: str, cols: Sequence[str], where: str, params: tuple[Any, ...]) -> _Buckets:
+    def _series(
+        self, key: tuple[Any, ...], table: str, cols: Sequence[str], where: str, params: tuple[Any, ...]
+    ) -> _Buckets:
         b = self._buckets.get(key)
         if b is None:
             b = _Buckets(table, cols, where, params, self.series_points)
@@ -698,7 +714,9 @@ class TuiData:
         if proc_rows:
             proc_rows.reverse()
             lt = proc_rows[-1]
-            process = ProcessLatest(lt[1], lt[2], lt[3], lt[4], Series([r[0] for r in proc_rows], [r[1] for r in proc_rows]))
+            process = ProcessLatest(
+                lt[1], lt[2], lt[3], lt[4], Series([r[0] for r in proc_rows], [r[1] for r in proc_rows])
+            )
         scalars: dict[str, tuple[float | None, Series]] = {}
         for name in self._scalar_names(rid):
             latest = self.con.execute(

@@ -57,7 +57,23 @@ def step_row(rank_id: int, global_rank: int, step: int, straggler: int | None) -
     total = dl + h2d + fwd + bwd + opt + wait
     ts = T0 + step * 0.05
     peak = 2_000_000_000 + step * 1_000
-    return (rank_id, step, ts, total, dl, h2d, fwd, bwd, opt, wait, None, peak, peak + 500_000_000, 3_000_000_000 + global_rank, 0)
+    return (
+        rank_id,
+        step,
+        ts,
+        total,
+        dl,
+        h2d,
+        fwd,
+        bwd,
+        opt,
+        wait,
+        None,
+        peak,
+        peak + 500_000_000,
+        3_000_000_000 + global_rank,
+        0,
+    )
 
 
 def build(path: str, spec: SynthSpec = SynthSpec()) -> str:
@@ -69,8 +85,24 @@ def build(path: str, spec: SynthSpec = SynthSpec()) -> str:
         node, local = divmod(g, spec.ranks_per_node)
         ranks.append(
             (
-                g + 1, f"s{g}", spec.session, 0, g, local, node, world, spec.ranks_per_node, spec.nnodes,
-                f"host{node}", 1000 + g, "rdzv", spec.parallelism, "cpu", T0, end, 1,
+                g + 1,
+                f"s{g}",
+                spec.session,
+                0,
+                g,
+                local,
+                node,
+                world,
+                spec.ranks_per_node,
+                spec.nnodes,
+                f"host{node}",
+                1000 + g,
+                "rdzv",
+                spec.parallelism,
+                "cpu",
+                T0,
+                end,
+                1,
             )
         )
     con.executemany(
@@ -149,6 +181,17 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
     _insert(
         con,
         "models",
-        [(g + 1, 0, "Transformer", spec.parallelism, 42, 7 * 2**30, shard if spec.parallelism == "fsdp2" else None,
-          7 * 2**30 if spec.parallelism == "fsdp2" else None) for g in range(world)],
+        [
+            (
+                g + 1,
+                0,
+                "Transformer",
+                spec.parallelism,
+                42,
+                7 * 2**30,
+                shard if spec.parallelism == "fsdp2" else None,
+                7 * 2**30 if spec.parallelism == "fsdp2" else None,
+            )
+            for g in range(world)
+        ],
     )

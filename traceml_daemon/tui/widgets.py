@@ -196,10 +196,18 @@ class RankGrid(Widget):
         for i, (label, value) in enumerate(cells):
             if i and i % per_row == 0:
                 out.append("\n")
-            out.append(label[: cell - 1].ljust(cell - 1) + " " if cell == 9 else " " * cell, style=heat_style(value, ref))
+            out.append(
+                label[: cell - 1].ljust(cell - 1) + " " if cell == 9 else " " * cell, style=heat_style(value, ref)
+            )
         out.append("\n")
         legend = Text()
-        for label, style in (("≤median", "on #2e7d32"), ("+5%", "on #9e9d24"), ("+15%", "on #ef6c00"), ("+30%", "on #c62828"), ("none", "on #3a3a3a")):
+        for label, style in (
+            ("≤median", "on #2e7d32"),
+            ("+5%", "on #9e9d24"),
+            ("+15%", "on #ef6c00"),
+            ("+30%", "on #c62828"),
+            ("none", "on #3a3a3a"),
+        ):
             legend.append("  ", style=style)
             legend.append(f" {label} ")
         out.append_text(legend)

@@ -1,0 +1,51 @@
+"""Fixtures for the TUI tests: databases built from rows, and a way to wait
+until the app's refresh worker has painted (no sleeps on wall-clock time)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.pilot import Pilot
+
+from traceml_daemon.tui.app import TraceApp
+from traceml_daemon.tui.synth import T0, SynthSpec, build
+
+FROZEN_NOW = T0 + 3600.0  # "now" for every app in these tests: uptime never moves
+
+
+@pytest.fixture
+def tui_db(tmp_path: Path) -> str:
+    """2 nodes x 2 ranks FSDP2 run with system/gpu rows (some absent), scalars, layers, models."""
+    return build(str(tmp_path / "run.db"), SynthSpec(parallelism="fsdp2"))
+
+
+def make_app(db: str) -> TraceApp:
+    # refresh_s=0: refresh only on mount and navigation, so screens are deterministic.
+    return TraceApp(db, clock=lambda: FROZEN_NOW, refresh_s=0)
+
+
+async def settle(pilot: Pilot[None], n: int = 1) -> None:
+    """Wait until at least ``n`` refreshes completed and no read is in flight."""
+    app = pilot.app
+    assert isinstance(app, TraceApp)
+    for _ in range(500):
+        if app.refresh_count >= n and not app._busy and not app._pending:
+            break
+        await pilot.pause(0.01)
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def asynctest(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async test body with asyncio.run (no async pytest plugin is installed)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return wrapper

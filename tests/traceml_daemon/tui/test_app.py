@@ -1,0 +1,163 @@
+"""Pilot-driven navigation of every screen at 80x24 against a db built from rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import DataTable, Input, Static
+
+from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle
+from traceml_daemon.tui.app import main, parse_jump
+from traceml_daemon.tui.screens import (
+    HelpScreen,
+    JumpScreen,
+    NodeScreen,
+    OverviewScreen,
+    RankScreen,
+    VerdictsScreen,
+)
+from traceml_daemon.tui.synth import SynthSpec, build
+from traceml_daemon.tui.widgets import RankGrid
+
+
+def _text(screen: object, selector: str) -> str:
+    return str(screen.query_one(selector, Static).render())  # type: ignore[attr-defined]
+
+
+@asynctest
+async def test_overview_drill_down_and_back(tui_db: str) -> None:
+    app = make_app(tui_db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert isinstance(app.screen, OverviewScreen)
+        header = _text(app.screen, "#header")
+        assert "run-synth" in header and "2 nodes × 4 ranks" in header and "step 199" in header
+        nodes = app.screen.query_one("#nodes", DataTable)
+        ranks = app.screen.query_one("#ranks", DataTable)
+        assert nodes.row_count == 2 and ranks.row_count == 4
+        # Enter on the first node row (focused at mount) opens that node.
+        first_node = int(nodes.coordinate_to_cell_key(nodes.cursor_coordinate).row_key.value or 0)
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, NodeScreen) and app.screen.node_rank == first_node
+        assert "no host samples" not in _text(app.screen, "#system")
+        gpus = app.screen.query_one("#gpus", DataTable)
+        assert gpus.row_count == 2
+        assert "—" in [str(c) for c in gpus.get_row_at(1)]  # GPU 1 has no power reading
+        # Enter on a rank of the node opens the rank screen.
+        await pilot.press("down", "enter")
+        await settle(pilot)
+        assert isinstance(app.screen, RankScreen)
+        assert app.screen.global_rank == first_node * 2 + 1
+        await pilot.press("escape")
+        await settle(pilot)
+        assert isinstance(app.screen, NodeScreen)
+        await pilot.press("escape")
+        await settle(pilot)
+        assert isinstance(app.screen, OverviewScreen)
+
+
+@asynctest
+async def test_rank_screen_shows_layers_scalars_and_fsdp2(tui_db: str) -> None:
+    app = make_app(tui_db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("tab")  # nodes -> ranks table
+        assert app.focused is not None and app.focused.id == "ranks"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 0
+        assert "FSDP2 shard 1.8 GiB" in _text(app.screen, "#models")
+        assert app.screen.query_one("#layers", DataTable).row_count == 4
+        assert "GPU mem —" in _text(app.screen, "#process")
+        spark = app.screen.query_one("#scalars")
+        assert [line[0] for line in spark.lines] == ["loss", "lr"]  # type: ignore[attr-defined]
+
+
+@asynctest
+async def test_verdicts_help_jump_and_phase_cycle(tui_db: str) -> None:
+    app = make_app(tui_db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        grid = app.screen.query_one(RankGrid)
+        assert "step" in grid.caption
+        await pilot.press("p")
+        assert "dataloader" in grid.caption
+        await pilot.press("v")
+        await settle(pilot)
+        assert isinstance(app.screen, VerdictsScreen)
+        assert "spooled 3" in _text(app.screen, "#delivery")
+        await pilot.press("escape")
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.press("slash")
+        assert isinstance(app.screen, JumpScreen)
+        app.screen.query_one(Input).value = "r3"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 3
+        await pilot.press("slash")
+        app.screen.query_one(Input).value = "n1"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, NodeScreen) and app.screen.node_rank == 1
+        await pilot.press("slash")
+        app.screen.query_one(Input).value = "r77"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, NodeScreen)  # unknown rank: stays, notifies
+        await pilot.press("q")
+
+
+def test_parse_jump(tui_db: str) -> None:
+    from traceml_daemon.tui.data import TuiData
+    from traceml_daemon.tui.screens import Snapshot
+
+    snap = Snapshot(TuiData(tui_db).overview())
+    assert parse_jump("12", snap) is None
+    assert parse_jump("2", snap) == ("rank", 2)
+    assert parse_jump(" R3 ", snap) == ("rank", 3)
+    assert parse_jump("n1", snap) == ("node", 1)
+    assert parse_jump("x", snap) is None
+
+
+@pytest.mark.parametrize("ranks", [1, 500, 4096])
+@asynctest
+async def test_rank_grid_aggregates_when_crowded(tmp_path: Path, ranks: int) -> None:
+    db = build(str(tmp_path / "g.db"), SynthSpec(nnodes=1, ranks_per_node=ranks, steps=3, with_detail=False))
+    app = make_app(db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        grid = app.screen.query_one(RankGrid)
+        cell, group, rows = grid.layout_for(grid.size.width)
+        assert rows <= grid.max_rows
+        rendered = str(grid.render())
+        assert f"{ranks} ranks" in rendered
+        assert (group > 1) == ("each cell =" in rendered) == (ranks == 4096)
+
+
+@asynctest
+async def test_no_analysis_engine_still_works(tui_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "traceml_daemon.analysis.engine", None)  # import fails
+    app = make_app(tui_db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert "not available" in _text(app.screen, "#banner")
+
+
+def test_main_missing_db_names_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "absent.db")
+    assert main(["--db", missing]) == 2
+    assert missing in capsys.readouterr().err
+
+
+def test_tui_package_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, traceml_daemon.tui.app, traceml_daemon.tui.data; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

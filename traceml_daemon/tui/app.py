@@ -1,0 +1,238 @@
+"""The TraceML terminal UI: ``traceml-daemon tui --db PATH``.
+
+Reads happen in a thread worker once a second (sqlite never blocks the UI
+loop); only one read runs at a time because the reader keeps incremental
+state on a single connection. Pass ``clock`` to freeze "now" (snapshots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+
+from traceml_daemon.tui.data import DatabaseMissing, TuiData
+from traceml_daemon.tui.screens import (
+    HelpScreen,
+    JumpScreen,
+    NodeScreen,
+    OverviewScreen,
+    RankScreen,
+    Snapshot,
+    VerdictsScreen,
+)
+
+DEFAULT_DB = "traceml.db"
+
+CSS = """
+.section { color: $accent; text-style: bold; margin-top: 1; }
+#header { height: auto; background: $boost; padding: 0 1; }
+#banner { height: auto; padding: 0 1; }
+#nodes { height: auto; max-height: 12; }
+#ranks { height: auto; max-height: 24; }
+#gpus { height: auto; max-height: 10; }
+#layers { height: auto; max-height: 20; }
+VerticalScroll { padding: 0 1; }
+"""
+
+
+class TraceApp(App[None]):
+    """Overview -> node -> rank drill-down over one database, read-only."""
+
+    TITLE = "TraceML"
+    CSS = CSS
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("v", "verdicts", "Findings"),
+        Binding("slash", "jump", "Jump"),
+        Binding("question_mark", "help", "Help"),
+    ]
+
+    def __init__(
+        self,
+        db_path: str,
+        *,
+        clock: Callable[[], float] | None = None,
+        refresh_s: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.db_path = db_path
+        self.clock = clock or time.time
+        self.refresh_s = refresh_s
+        self.data = TuiData(db_path, clock=self.clock)  # raises DatabaseMissing with the path
+        self.refresh_count = 0  # completed refreshes (tests and bench wait on this)
+        self.last_snapshot: Snapshot | None = None
+        self.last_error: str | None = None
+        self._busy = False
+        self._pending = False
+        # Cost of the last refresh, for the benchmark: read (worker) and widget update (UI thread).
+        self.last_read_s = 0.0
+        self.last_apply_s = 0.0
+
+    # ---- lifecycle and refresh
+
+    def on_mount(self) -> None:
+        self.push_screen(OverviewScreen())
+        self.request_refresh()
+        if self.refresh_s > 0:
+            self.set_interval(self.refresh_s, self.request_refresh)
+
+    def on_unmount(self) -> None:
+        self.data.close()
+
+    def _target(self) -> tuple[str, int | None]:
+        screen = self.screen
+        if isinstance(screen, NodeScreen):
+            return ("node", screen.node_rank)
+        if isinstance(screen, RankScreen):
+            return ("rank", screen.global_rank)
+        return ("overview", None)
+
+    def request_refresh(self) -> None:
+        """Start a read unless one is running; then run once more right after it."""
+        if self._busy:
+            self._pending = True
+            return
+        self._busy = True
+        self._pending = False
+        self._read(self._target())
+
+    @work(thread=True, group="refresh", exit_on_error=False)
+    def _read(self, target: tuple[str, int | None]) -> None:
+        t0 = time.perf_counter()
+        try:
+            overview = self.data.overview()
+            kind, key = target
+            node = self.data.node_detail(key) if kind == "node" and key is not None else None
+            rank = self.data.rank_detail(key) if kind == "rank" and key is not None else None
+            snap: Snapshot | None = Snapshot(overview, node, rank)
+            error = None
+        except Exception as exc:  # a locked or half-written db: show it, keep the UI alive
+            snap, error = None, f"{exc.__class__.__name__}: {exc}"
+        self.last_read_s = time.perf_counter() - t0
+        self.call_from_thread(self._apply, snap, target, error)
+
+    def _apply(self, snap: Snapshot | None, target: tuple[str, int | None], error: str | None) -> None:
+        t0 = time.perf_counter()
+        self._busy = False
+        if snap is not None:
+            self.last_snapshot = snap
+            screen = self.screen
+            if target == self._target() and hasattr(screen, "show"):
+                screen.show(snap)
+            elif isinstance(screen, VerdictsScreen):
+                screen.show(snap)
+            else:
+                self._pending = True  # the screen changed while reading: read for the new one
+        if error != self.last_error and error is not None:
+            self.notify(error, title="read failed", severity="error")
+        self.last_error = error
+        self.last_apply_s = time.perf_counter() - t0
+        self.refresh_count += 1
+        if self._pending:
+            self.request_refresh()
+
+    # ---- navigation
+
+    def open_node(self, node_rank: int) -> None:
+        self.push_screen(NodeScreen(node_rank))
+        self.request_refresh()
+
+    def open_rank(self, global_rank: int) -> None:
+        self.push_screen(RankScreen(global_rank))
+        self.request_refresh()
+
+    def action_verdicts(self) -> None:
+        if not isinstance(self.screen, VerdictsScreen):
+            self.push_screen(VerdictsScreen())
+            if self.last_snapshot is not None:
+                self.call_after_refresh(self._show_current)
+
+    def _show_current(self) -> None:
+        if self.last_snapshot is not None and hasattr(self.screen, "show"):
+            self.screen.show(self.last_snapshot)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_jump(self) -> None:
+        if not isinstance(self.screen, JumpScreen):
+            self.push_screen(JumpScreen(), self._jump_to)
+
+    def _jump_to(self, query: str | None) -> None:
+        if not query:
+            return
+        found = parse_jump(query, self.last_snapshot)
+        if found is None:
+            self.notify(f"no rank or node {query.strip()!r} in this run", severity="warning")
+        elif found[0] == "rank":
+            self.open_rank(found[1])
+        else:
+            self.open_node(found[1])
+
+    def pop_screen(self) -> Any:
+        result = super().pop_screen()
+        self.request_refresh()  # the screen underneath may be stale
+        return result
+
+
+def parse_jump(query: str, snap: Snapshot | None) -> tuple[str, int] | None:
+    """ "r12"/"12" -> ("rank", 12); "n3" -> ("node", 3); None when not in the run."""
+    q = query.strip().lower()
+    kind = "rank"
+    if q[:1] in ("r", "n"):
+        kind = "node" if q[0] == "n" else "rank"
+        q = q[1:].strip()
+    if not q.isdigit() or snap is None:
+        return None
+    n = int(q)
+    ranks = snap.overview.ranks
+    if kind == "rank" and any(r.global_rank == n for r in ranks):
+        return ("rank", n)
+    if kind == "node" and any(r.node_rank == n for r in ranks):
+        return ("node", n)
+    return None
+
+
+def run_tui(db_path: str) -> None:
+    """Open the TUI on ``db_path`` (live or finished run); blocks until quit."""
+    TraceApp(db_path).run()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default=DEFAULT_DB, help="SQLite database written by traceml-daemon serve")
+
+
+def _parse(args: Sequence[str] | argparse.Namespace | None) -> str:
+    if isinstance(args, argparse.Namespace):
+        return str(getattr(args, "db", None) or DEFAULT_DB)
+    parser = argparse.ArgumentParser(prog="traceml-daemon tui", description="Attach to a live or finished run.")
+    add_arguments(parser)
+    ns = parser.parse_args(list(args) if args is not None else None)
+    return str(ns.db)
+
+
+def main(args: Sequence[str] | argparse.Namespace | None = None) -> int:
+    """CLI entry: ``traceml-daemon tui [--db PATH]``; returns the exit status."""
+    db = _parse(args)
+    if not os.path.exists(db):
+        print(f"traceml-daemon tui: no database at {db!r}; pass --db PATH of a run", file=sys.stderr)
+        return 2
+    try:
+        run_tui(db)
+    except DatabaseMissing as exc:
+        print(f"traceml-daemon tui: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
