@@ -8,7 +8,7 @@ batch is a consistent cut.
 
 from __future__ import annotations
 
-import time
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,13 +48,23 @@ class BatchBuilder:
         self._process = ProcessSampler(self._nvml)
         self._system = SystemSampler()
         self._gpus = GpuSampler(self._nvml) if self._nvml is not None else None
+        self._poll_takes_final = _accepts(getattr(tracer, "poll", None), "final")
+        self._resend_models = False
+
+    def resend_models(self) -> None:
+        """After a reconnect: the next batch repeats the "models" rows, in case
+        the batch that first carried them was dropped from the resend buffer."""
+        self._resend_models = True
 
     def build(self, now: float, *, final: bool) -> Tables:
         rec = self._recorder
         status = dict(IDLE_STATUS)
         if self._tracer is not None:
             try:
-                self._tracer.poll()
+                if final and self._poll_takes_final:
+                    self._tracer.poll(final=True)  # stop waiting on the device at exit
+                else:
+                    self._tracer.poll()
             except Exception as exc:
                 self._reporter.report("tracer-poll", f"step capture error (steps may be missing): {exc!r}")
             try:
@@ -63,9 +73,25 @@ class BatchBuilder:
                 self._reporter.report("tracer-status", f"could not read step status: {exc!r}")
         rec.add("status", {**status, "ts": now, "finished": 1 if final else 0})
         self._sample(now)
-        for source, count in self._counters().items():
+        if self._resend_models:
+            self._resend_models = False
+            for row in self._optional("model_rows", list):
+                rec.add("models", row)
+        counters = {**self._counters(), **self._optional("counters", dict)}
+        for source, count in counters.items():
             rec.add("drops", {"ts": now, "source": source, "count": count})
         return rec.drain()
+
+    def _optional(self, name: str, kind: type) -> Any:
+        """A tracer extra beyond the fixed interface (model_rows, counters), if present."""
+        method = getattr(self._tracer, name, None)
+        if method is None:
+            return kind()
+        try:
+            return method() or kind()
+        except Exception as exc:
+            self._reporter.report(f"tracer-{name}", f"could not read tracer {name}: {exc!r}")
+            return kind()
 
     def _sample(self, now: float) -> None:
         rec = self._recorder
@@ -83,5 +109,8 @@ class BatchBuilder:
             self._nvml.close()
 
 
-def wall_ts() -> float:
-    return time.time()
+def _accepts(method: Any, keyword: str) -> bool:
+    try:
+        return method is not None and keyword in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False

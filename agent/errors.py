@@ -49,11 +49,13 @@ class ErrorReporter:
         with self._lock:
             return sum(self.counts.values())
 
-    def reset(self) -> None:
-        """Forget counts and printed kinds (a forked child starts clean)."""
-        self._lock = threading.Lock()  # the parent's lock may have been held at fork
-        self.counts = {}
-        self._warned = set()
+    def after_fork(self) -> None:
+        """In a forked child: the parent's lock may have been held at fork time.
+
+        Counts and printed kinds are kept, so a DataLoader worker does not
+        repeat a warning its parent already printed.
+        """
+        self._lock = threading.Lock()
 
 
 # One process-wide reporter: "once per kind" must hold across runtime restarts.

@@ -127,7 +127,10 @@ def resolve_identity(
         nnodes = _first_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     else:
         source = "single"
-        rank, world, local_rank, local_world, node_rank, nnodes = 0, 1, 0, 1, 0, 1
+        # Layout unknown: derived below (one node), also when a process group
+        # later supplies the ranks (mp.spawn, custom launchers).
+        rank, world = 0, 1
+        local_rank = local_world = node_rank = nnodes = None
 
     if dist is not None:
         # The process group is the ground truth for global rank and size

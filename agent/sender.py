@@ -21,13 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from agent.errors import ErrorReporter
 from traceml_wire import messages
 from traceml_wire.auth import hello_mac
 from traceml_wire.errors import ProtocolError
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, encode_frame, unpack_message
 from traceml_wire.tables import encode_body
-
-from agent.errors import ErrorReporter
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -41,6 +40,10 @@ Tables = dict[str, dict[str, list[Any]]]
 
 class Refused(Exception):
     """The relay answered the hello with refuse."""
+
+
+class Cancelled(TimeoutError):
+    """A handshake given up because the sender is stopping (not a relay fault)."""
 
 
 @dataclass(frozen=True)
@@ -90,18 +93,31 @@ class ResendBuffer:
 class Link:
     """One authenticated connection to the relay (blocking socket, timeouts)."""
 
-    def __init__(self, sock: socket.socket, decoder: FrameDecoder) -> None:
+    def __init__(self, sock: socket.socket, decoder: FrameDecoder, cancel: Callable[[], bool]) -> None:
         self.sock = sock
         self._decoder = decoder
         self._pending: deque[dict[str, Any]] = deque()
+        self._cancel = cancel
+        self.io_timeout = IO_TIMEOUT_S
 
     @classmethod
     def open(
-        cls, host: str, port: int, *, token: str | None, hello: HelloInfo, timeout: float
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        hello: HelloInfo,
+        timeout: float,
+        cancel: Callable[[], bool] = lambda: False,
     ) -> tuple[Link, int]:
-        """Connect and run the handshake; return the link and accept.last_seq."""
+        """Connect and run the handshake; return the link and accept.last_seq.
+
+        ``cancel`` is polled while waiting, so shutdown is never stuck behind
+        a relay that accepted the TCP connection but does not answer.
+        """
         sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
-        link = cls(sock, FrameDecoder())
+        link = cls(sock, FrameDecoder(), cancel)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             deadline = time.monotonic() + timeout
@@ -133,11 +149,16 @@ class Link:
     def _read(self, deadline: float) -> dict[str, Any]:
         """The next server message, waiting at most until ``deadline``."""
         while not self._pending:
+            if self._cancel():
+                raise Cancelled("sender stopping")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("relay did not answer in time")
-            self.sock.settimeout(remaining)
-            data = self.sock.recv(65536)
+            self.sock.settimeout(min(remaining, 0.05))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
             if not data:
                 raise ConnectionError("relay closed the connection")
             self._take(data)
@@ -148,7 +169,7 @@ class Link:
             self._pending.append(messages.validate_server_message(unpack_message(body)))
 
     def send(self, frame: bytes) -> None:
-        self.sock.settimeout(IO_TIMEOUT_S)
+        self.sock.settimeout(self.io_timeout)
         self.sock.sendall(frame)
 
     def read_acks(self, wait: float) -> int:
@@ -171,7 +192,7 @@ class Link:
             readable, _, _ = select.select([self.sock], [], [], remaining)
             if not readable:
                 return best
-            self.sock.settimeout(IO_TIMEOUT_S)
+            self.sock.settimeout(self.io_timeout)
             data = self.sock.recv(65536)
             if not data:
                 raise ConnectionError("relay closed the connection")
@@ -230,6 +251,7 @@ class Sender:
         buffer_bytes: int,
         reporter: ErrorReporter,
         prepare: Callable[[], None] | None = None,
+        on_reconnect: Callable[[], None] | None = None,
     ) -> None:
         self._source_factory = source
         self._hello_factory = hello
@@ -239,6 +261,7 @@ class Sender:
         self.buffer = ResendBuffer(buffer_bytes)
         self._reporter = reporter
         self._prepare = prepare
+        self._on_reconnect = on_reconnect
         self._wake = threading.Event()
         self._stop_requested = False
         self._stop_deadline = 0.0
@@ -343,6 +366,8 @@ class Sender:
             if self._link is None:
                 return
         link = self._link
+        if final:
+            link.io_timeout = max(0.05, min(IO_TIMEOUT_S, self._remaining()))
         try:
             for seq, frame in self.buffer.after(self._sent_upto):
                 link.send(frame)
@@ -368,15 +393,28 @@ class Sender:
 
     def _connect(self, final: bool) -> None:
         hello = self._hello or self._hello_factory(final)
-        if hello is None:  # identity not settled yet: keep the first hello back
+        if hello is None:
+            # Identity not settled yet: keep the first hello back. poke() (the
+            # first trace_step) brings the next try forward; never spin.
+            self._next_connect = time.monotonic() + self.flush_s
             return
         timeout = IO_TIMEOUT_S if not final else max(0.05, min(IO_TIMEOUT_S, self._remaining()))
         try:
-            link, last_seq = Link.open(self.host, self.port, token=self._token, hello=hello, timeout=timeout)
+            link, last_seq = Link.open(
+                self.host,
+                self.port,
+                token=self._token,
+                hello=hello,
+                timeout=timeout,
+                # Only the loop's connects give way to stop(); the final one has its own deadline.
+                cancel=(lambda: self._stop_requested) if not final else (lambda: self._remaining() <= 0),
+            )
         except Refused as exc:
             self._on_refused(str(exc))
             self._schedule_retry(BACKOFF_MAX_S)
             return
+        except Cancelled:
+            return  # the final flush reconnects within its own deadline
         except (OSError, ProtocolError) as exc:
             self._reporter.report(
                 "connect",
@@ -389,6 +427,8 @@ class Sender:
         self._hello = hello
         self._link = link
         self.connects += 1
+        if self.connects > 1 and self._on_reconnect is not None:
+            self._on_reconnect()
         self._backoff = BACKOFF_MIN_S
         self._ack(last_seq)
         # Everything above the relay's high-water mark goes again, in order.

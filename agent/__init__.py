@@ -1,0 +1,91 @@
+"""TraceML agent: step-level telemetry from inside a PyTorch training process.
+
+    import agent
+    agent.init()
+    for batch in loader:
+        with agent.trace_step(model):
+            ...
+        agent.log(loss=loss)
+    agent.shutdown()
+
+Every function here is fail-open: it never raises into the training script
+and never blocks on the network. ``TRACEML_DISABLE=1`` turns all of them into
+cheap no-ops. Importing this package imports neither torch nor the daemon's
+UI/storage stack; the tracer pulls torch in at ``init()``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from agent import runtime as _rt
+from agent.errors import reporter as _reporter
+
+__all__ = ["init", "trace_step", "log", "span", "instant", "shutdown"]
+
+_NULL = _rt.NULL_CONTEXT
+
+
+def init(**overrides: Any) -> None:
+    """Start the agent (idempotent). Reads the environment; never raises.
+
+    Connecting to the relay happens on the background sender thread, so this
+    returns at once even when nothing is listening.
+    """
+    try:
+        _rt.init(overrides)
+    except Exception as exc:  # fail-open: a telemetry bug must not stop training
+        _reporter.report("init", f"agent disabled after an internal error: {exc!r}")
+
+
+def trace_step(model: Any = None) -> AbstractContextManager[None]:
+    """Context manager around one training step of ``model``."""
+    try:
+        runtime = _rt.current or _rt.implicit()
+        if runtime is None:
+            return _NULL
+        return runtime.trace_step(model)
+    except Exception as exc:
+        _reporter.report("trace_step", f"trace_step failed: {exc!r}")
+        return _NULL
+
+
+def log(**scalars: Any) -> None:
+    """Per-step scalars (floats or tensors, resolved lazily off the training thread)."""
+    try:
+        runtime = _rt.current or _rt.implicit()
+        if runtime is not None and runtime.tracer is not None:
+            runtime.tracer.log(**scalars)
+    except Exception as exc:
+        _reporter.report("log", f"log failed: {exc!r}")
+
+
+def span(name: str, **args: Any) -> AbstractContextManager[None]:
+    """A named region (exported to Chrome trace / Perfetto)."""
+    try:
+        runtime = _rt.current or _rt.implicit()
+        if runtime is None:
+            return _NULL
+        return runtime.span(name, args)
+    except Exception as exc:
+        _reporter.report("span", f"span failed: {exc!r}")
+        return _NULL
+
+
+def instant(name: str, **args: Any) -> None:
+    """A point-in-time mark."""
+    try:
+        runtime = _rt.current or _rt.implicit()
+        if runtime is not None and runtime.tracer is not None:
+            runtime.tracer.instant(name, **args)
+    except Exception as exc:
+        _reporter.report("instant", f"instant failed: {exc!r}")
+
+
+def shutdown() -> None:
+    """Flush and stop (bounded wait, about 2 s at most). Also runs at exit."""
+    try:
+        _rt.shutdown()
+    except Exception as exc:
+        _reporter.report("shutdown", f"shutdown failed: {exc!r}")

@@ -1,0 +1,208 @@
+"""The sender thread against a real TCP relay stand-in with the real framing."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from agent import sender as sender_mod
+from agent.errors import ErrorReporter
+from agent.sender import HelloInfo, ResendBuffer, Sender, encode_bodies
+from tests.agent.fake_relay import FakeRelay
+from traceml_wire.auth import hello_mac
+from traceml_wire.tables import decode_body
+
+HELLO = HelloInfo(sender="s1/a0/n0/r0/1-abc", session="s1", identity={"global_rank": 0, "pid": 1})
+
+
+class CountingSource:
+    """One status row per flush; remembers whether the final flush happened."""
+
+    def __init__(self) -> None:
+        self.flushes = 0
+        self.final = False
+
+    def build(self, now: float, *, final: bool) -> dict[str, dict[str, list[Any]]]:
+        self.flushes += 1
+        self.final = self.final or final
+        return {"status": {"ts": [now], "phase": ["idle"], "steps_done": [self.flushes], "finished": [int(final)]}}
+
+
+def make_sender(
+    port: int,
+    *,
+    token: str | None = None,
+    buffer_bytes: int = 1 << 20,
+    reporter: ErrorReporter | None = None,
+    source: CountingSource | None = None,
+) -> Sender:
+    src = source or CountingSource()
+    return Sender(
+        source=lambda: src,
+        hello=lambda final: HELLO,
+        host="127.0.0.1",
+        port=port,
+        token=token,
+        flush_s=0.02,
+        buffer_bytes=buffer_bytes,
+        reporter=reporter or ErrorReporter(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Keep reconnects quick so the tests observe several of them.
+    monkeypatch.setattr(sender_mod, "BACKOFF_MAX_S", 0.05)
+    monkeypatch.setattr(sender_mod, "BACKOFF_MIN_S", 0.01)
+
+
+def test_handshake_and_numbered_batches(make_relay: Any) -> None:
+    relay: FakeRelay = make_relay(token="s3cret")
+    source = CountingSource()
+    sender = make_sender(relay.port, token="s3cret", source=source)
+    sender.start()
+    assert relay.wait_for(lambda: len(relay.batches) >= 5)
+    assert sender.stop(2.0)
+    hello = relay.hellos[0]
+    assert hello["role"] == "agent" and hello["sender"] == HELLO.sender and hello["session"] == "s1"
+    assert hello["identity"]["global_rank"] == 0
+    seqs = relay.seqs()
+    assert seqs == list(range(1, len(seqs) + 1))
+    tables = decode_body(relay.batches[0][2])
+    assert tables["status"]["phase"] == ["idle"]
+    # The final flush went out, was acked, and the stream closed with bye.
+    assert source.final
+    assert decode_body(relay.batches[-1][2])["status"]["finished"] == [1]
+    assert sender.acked == sender.seq == seqs[-1]
+    assert len(sender.buffer) == 0
+    assert relay.wait_for(lambda: relay.byes == 1)
+
+
+def test_resend_after_drop_without_ack(fake_relay: FakeRelay) -> None:
+    fake_relay.drop_after = 3  # first connection: take 3 batches, ack none, hang up
+    fake_relay.ack = False
+    sender = make_sender(fake_relay.port)
+    sender.start()
+    assert fake_relay.wait_for(lambda: fake_relay.connections >= 1 and len(fake_relay.seqs(1)) >= 3)
+    fake_relay.drop_after = None
+    fake_relay.ack = True
+    assert fake_relay.wait_for(lambda: len(fake_relay.seqs(2)) >= 5)
+    assert sender.stop(2.0)
+    first, second = fake_relay.seqs(1), fake_relay.seqs(2)
+    assert first == [1, 2, 3]
+    # Nothing was acked, so the second connection starts again at 1, in order.
+    assert second[:3] == [1, 2, 3]
+    assert second == list(range(1, len(second) + 1))
+
+
+def test_reconnect_skips_what_the_relay_already_holds(fake_relay: FakeRelay) -> None:
+    sender = make_sender(fake_relay.port)
+    sender.start()
+    assert fake_relay.wait_for(lambda: len(fake_relay.seqs(1)) >= 2)
+    fake_relay.drop_after = 1  # the next connection hangs up after one more batch, unacked
+    fake_relay.ack = False
+    # Hang up on the current connection by closing its socket from the server side.
+    for conn in list(fake_relay._conns):
+        conn.close()
+    assert fake_relay.wait_for(lambda: fake_relay.connections >= 3)
+    fake_relay.drop_after = None
+    fake_relay.ack = True
+    assert fake_relay.wait_for(lambda: len(fake_relay.seqs(fake_relay.connections)) >= 2)
+    assert sender.stop(2.0)
+    held_before = max(fake_relay.seqs(1))
+    last_conn = fake_relay.connections
+    resent = fake_relay.seqs(last_conn)
+    # accept.last_seq covered what was acked, so the resend starts just above it.
+    assert resent[0] > 1
+    assert resent == list(range(resent[0], resent[0] + len(resent)))
+    all_seqs = set(fake_relay.seqs())
+    assert set(range(1, held_before + 1)) <= all_seqs
+
+
+def test_buffer_cap_drops_oldest_and_counts(fake_relay: FakeRelay) -> None:
+    fake_relay.mode = "hangup"  # listening, but every connection dies before the challenge
+    frame_size = len(sender_mod.encode_frame({"t": "batch", "seq": 1, "body": encode_bodies(
+        CountingSource().build(0.0, final=False), 0.0)[0]}))
+    sender = make_sender(fake_relay.port, buffer_bytes=frame_size * 3)
+    sender.start()
+    assert fake_relay.wait_for(lambda: sender.buffer.dropped_batches >= 3)
+    fake_relay.mode = "normal"
+    assert fake_relay.wait_for(lambda: len(fake_relay.batches) >= 2)
+    assert sender.stop(2.0)
+    seqs = fake_relay.seqs()
+    assert seqs[0] > 1  # the oldest batches were dropped, not the newest
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert sender.buffer.dropped_bytes >= frame_size * sender.buffer.dropped_batches // 2
+
+
+def test_refusal_reported_once(fake_relay: FakeRelay, capsys: pytest.CaptureFixture[str]) -> None:
+    fake_relay.mode = "refuse"
+    fake_relay.refuse_reason = "session mismatch"
+    reporter = ErrorReporter()
+    sender = make_sender(fake_relay.port, reporter=reporter)
+    sender.start()
+    assert fake_relay.wait_for(lambda: len(fake_relay.hellos) >= 3)
+    assert sender.stop(1.0)
+    err = capsys.readouterr().err
+    assert err.count("[traceml] relay refused: session mismatch") == 1
+    assert reporter.counts["refused"] >= 3
+    assert "Traceback" not in err
+
+
+def test_wrong_token_is_refused(make_relay: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    relay: FakeRelay = make_relay(token="right")
+    sender = make_sender(relay.port, token="wrong")
+    sender.start()
+    assert relay.wait_for(lambda: len(relay.hellos) >= 1)
+    assert sender.stop(1.0)
+    assert relay.batches == []
+    assert "[traceml] relay refused: bad token" in capsys.readouterr().err
+
+
+def test_unreachable_warns_once_and_stop_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    # Bound but not listening: connects are refused, and no one else can take the port.
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        sender = make_sender(unused.getsockname()[1])
+        sender.start()
+        assert not sender.finished.wait(0.3)  # keeps running, buffering, retrying
+        assert sender.stop(0.5)
+    err = capsys.readouterr().err
+    assert err.count("[traceml]") == 1 and "unreachable" in err
+    assert sender.seq >= 2 and len(sender.buffer) == sender.seq
+
+
+def test_stalled_relay_does_not_hang_stop(fake_relay: FakeRelay) -> None:
+    fake_relay.mode = "silent"  # accepts TCP, never sends the challenge
+    sender = make_sender(fake_relay.port)
+    sender.start()
+    assert fake_relay.wait_for(lambda: fake_relay.connections >= 1)
+    assert sender.stop(0.5)
+
+
+def test_resend_buffer_release_and_after() -> None:
+    buf = ResendBuffer(max_bytes=10)
+    for seq in range(1, 6):
+        buf.push(seq, b"abcd")  # 4 bytes each: only two fit under 10
+    assert [s for s, _ in buf.after(0)] == [4, 5]
+    assert buf.dropped_batches == 3 and buf.dropped_bytes == 12
+    buf.release(4)
+    assert [s for s, _ in buf.after(0)] == [5] and buf.bytes == 4
+    buf.push(6, b"x" * 50)  # a frame over the cap alone is still kept (newest wins)
+    assert [s for s, _ in buf.after(0)] == [6]
+
+
+def test_encode_bodies_splits_under_the_frame_limit() -> None:
+    n = 2000
+    tables = {"scalars": {"step": list(range(n)), "name": ["loss"] * n, "value": [0.5] * n}}
+    bodies = encode_bodies(tables, 1.0, limit=4096)
+    assert len(bodies) > 1 and all(len(b) <= 4096 for b in bodies)
+    steps = [s for b in bodies for s in decode_body(b)["scalars"]["step"]]
+    assert steps == list(range(n))
+
+
+def test_hello_mac_matches_token() -> None:
+    # Guard against the agent and the fake relay drifting apart on the MAC input.
+    assert hello_mac("t", b"n" * 16, "agent", "x") != hello_mac("u", b"n" * 16, "agent", "x")
