@@ -133,11 +133,19 @@ class NodeRelay:
             await self.start()
         await self._stopped.wait()
 
-    async def aclose(self, timeout: float = 2.0) -> None:
-        """Stop taking agents, flush what is held upstream within ``timeout``, close."""
+    async def aclose(self, timeout: float = 2.0, agent_grace: float = 0.0) -> None:
+        """Stop taking agents, flush what is held upstream within ``timeout``, close.
+
+        ``agent_grace``: first wait up to this long for connected agents to say
+        bye on their own. An embedded relay stops when its host rank exits, and
+        the node's other ranks may still be sending their final batches.
+        """
         if self._closing:
             await self._stopped.wait()
             return
+        grace_end = asyncio.get_running_loop().time() + agent_grace
+        while self.stats.agents_connected > 0 and asyncio.get_running_loop().time() < grace_end:
+            await asyncio.sleep(0.05)
         self._closing = True
         try:
             if self._server is not None:
@@ -151,7 +159,7 @@ class NodeRelay:
             try:
                 await asyncio.wait_for(self.upstream.wait_drained(), timeout)
             except asyncio.TimeoutError:
-                if self.upstream.unacked:
+                if self.upstream.unacked and self.upstream.spool is None:
                     warn(f"stopping with {self.upstream.unacked} rbatch(es) not acknowledged by the daemon")
             await self.upstream.say_bye()
             if self._main is not None:
@@ -274,13 +282,14 @@ class RelayHandle:
         self._thread = thread
         self.port = relay.port
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """Flush held data upstream for at most ``timeout`` seconds, then close."""
+    def stop(self, timeout: float = 2.0, agent_grace: float = 10.0) -> None:
+        """Wait up to ``agent_grace`` s for the node's other agents to finish, flush
+        held data upstream for at most ``timeout`` s, then close."""
         if not self._thread.is_alive():
             return
         try:
-            future = asyncio.run_coroutine_threadsafe(self._relay.aclose(timeout), self._loop)
-            future.result(timeout + 2.0)
+            future = asyncio.run_coroutine_threadsafe(self._relay.aclose(timeout, agent_grace), self._loop)
+            future.result(timeout + agent_grace + 2.0)
         except Exception as exc:  # never raise into the training process at exit
             warn(f"relay stop: {exc!r}")
         self._thread.join(timeout + 2.0)

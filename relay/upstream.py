@@ -228,7 +228,11 @@ class Upstream:
             try:
                 await self._connect_and_stream()
             except (OSError, ConnectionError, ProtocolError, asyncio.TimeoutError, EOFError) as exc:
-                self._warn_once(f"up-{type(exc).__name__}", f"daemon {self.daemon[0]}:{self.daemon[1]} unreachable or dropped: {exc!r}; retrying")
+                where = f"; buffering, then spooling under {self.spool.directory}" if self.spool else ""
+                self._warn_once(
+                    "unreachable",
+                    f"daemon {self.daemon[0]}:{self.daemon[1]} unreachable or dropped: {exc!r}; retrying{where}",
+                )
             except Exception as exc:  # a bug must not silently end forwarding for the whole node
                 self._warn_once(f"bug-{type(exc).__name__}", f"unexpected error on the daemon connection: {exc!r}; retrying")
             finally:
@@ -314,7 +318,9 @@ class Upstream:
         else:
             self._evict(self.buffer_bytes + 1)  # spill every in-memory rbatch
             kept = self.spool.close(keep_unacked=True)
-            if kept:
+            # One line per process: when the daemon was reported unreachable, that
+            # line already named the spool directory.
+            if kept and "unreachable" not in self._warned:
                 warn(f"daemon did not acknowledge everything; unsent data kept in {len(kept)} spool file(s) under {self.spool.directory}")
         self._memory.clear()
         self._memory_bytes = 0
