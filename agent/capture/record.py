@@ -49,7 +49,9 @@ class StepRecord:
         "fwd_ev0",
         "bwd_depth",
         "bwd_end",
+        "bwd_ev0",
         "opt_t0",
+        "opt_depth",
         "opt_ev0",
         # DDP comm hook: host (start, end) per bucket, None when not measured
         "comm",
@@ -82,7 +84,9 @@ class StepRecord:
         self.fwd_ev0: Any = None
         self.bwd_depth = 0
         self.bwd_end = 0
+        self.bwd_ev0: Any = None
         self.opt_t0 = 0
+        self.opt_depth = 0
         self.opt_ev0: Any = None
         self.comm: list[tuple[int, int]] | None = None
         self.ev_enter: Any = None

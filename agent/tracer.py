@@ -1,0 +1,676 @@
+"""The in-process step tracer: everything that runs on the training thread.
+
+``trace_step(model)`` opens a ``StepRecord``; global patches (DataLoader
+``__next__``, ``torch.autograd.backward``, optimizer step hooks, ``Tensor.to``
+on CUDA) and two forward hooks on the traced model fill it; at step exit one
+``steps`` row goes to the recorder (CPU) or the record waits in a queue until
+its device events complete and ``poll()`` (sender thread) resolves it.
+
+Thread model: the training thread owns every ``StepRecord`` while it runs;
+``poll()`` only touches records already handed over through a deque (append
+and popleft are atomic under the GIL), and ``status()`` reads one tuple that
+the training thread replaces whole, so neither needs a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from agent.capture import autograd, dataloader, ddp, h2d, optimizer
+from agent.capture.deep_dive import DeepDive
+from agent.capture.events import EventBackend, default_backend
+from agent.capture.guard import ErrorGate
+from agent.capture.memory import read_rss
+from agent.capture.model import ModelState, describe, hook_forward, leaf_modules
+from agent.capture.record import (
+    BACKWARD,
+    COMM,
+    FORWARD,
+    H2D,
+    IDLE,
+    OPTIMIZER,
+    PH_BACKWARD,
+    PH_FORWARD,
+    PH_H2D,
+    PH_OPTIMIZER,
+    PH_WAIT,
+    StepRecord,
+    derive_wait,
+)
+from agent.recorder import Recorder
+
+_AUTO: Any = object()
+# Device triple slot for copies made before the step entered (outside its event window).
+_H2D_OUT = 6
+
+
+class _NullContext:
+    """Returned when tracing itself failed: the user's block still runs."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+_NULL = _NullContext()
+
+
+class _StepContext:
+    """One per model, reused every step (no allocation to open a step)."""
+
+    __slots__ = ("_tracer", "_state")
+
+    def __init__(self, tracer: Tracer, state: ModelState) -> None:
+        self._tracer = tracer
+        self._state = state
+
+    def __enter__(self) -> None:
+        try:
+            self._tracer._enter(self._state)
+        except Exception as exc:
+            self._tracer._gate.fail("step_enter", exc)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
+        try:
+            self._tracer._exit(self._state, exc_type is not None)
+        except Exception as err:
+            self._tracer._gate.fail("step_exit", err)
+        return False  # never swallow the user's exception
+
+
+class Tracer:
+    def __init__(
+        self,
+        recorder: Recorder,
+        *,
+        deep_dive: bool = False,
+        deep_dive_every: int = 50,
+        warn: Callable[[str], None] = lambda msg: None,
+        event_backend: EventBackend | None = _AUTO,
+        event_timeout_s: float = 30.0,
+    ) -> None:
+        self._recorder = recorder
+        self._gate = ErrorGate(warn)
+        self._deep_dive = deep_dive
+        self._deep_every = max(1, int(deep_dive_every))
+        self._backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
+        self._timeout_ns = int(event_timeout_s * 1e9)
+        try:
+            self._cuda = bool(torch.cuda.is_available())
+        except Exception:
+            self._cuda = False
+        self._perf = time.perf_counter_ns
+        # wall = perf + offset; status() converts without a clock call on the hot path.
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+        self._active: StepRecord | None = None
+        self._status: tuple[str, int, int | None] = (IDLE, self._perf(), None)
+        self._steps_done = 0
+        self._last_step: int | None = None
+        self._models: dict[int, ModelState] = {}
+        self._none_state: ModelState | None = None
+        self._next_model_id = 0
+        # DataLoader fetches since the last step entered: dataset id -> (seq, ns).
+        self._fetches: dict[int, tuple[int, int]] = {}
+        self._fetch_seq = 0
+        self._fed_by: int | None = None
+        self._any_fetch = False
+        # H2D copies made outside any step: charged to the next step.
+        self._h2d_out = 0
+        self._h2d_out_dev: list[tuple[int, Any, Any]] = []
+        self._pending: deque[StepRecord] = deque()
+        from agent.capture.scalars import LazyScalars
+
+        self._scalars = LazyScalars()
+        self._rss: int | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._installed = False
+        self.device_steps_dropped = 0  # steps whose events timed out: host timings used
+        self.device_steps_fallback = 0  # steps that lost an event (pool exhausted): host timings used
+
+    # ------------------------------------------------------------------ install
+
+    def install(self) -> None:
+        try:
+            if self._installed:
+                return
+            self._installed = True
+            self._undo.append(dataloader.install(self))
+            self._undo.append(autograd.install(self))
+            self._undo.append(optimizer.install(self))
+            if self._cuda:
+                self._undo.append(h2d.install(self))
+        except Exception as exc:
+            self._gate.fail("install", exc)
+
+    def uninstall(self) -> None:
+        try:
+            while self._undo:
+                undo = self._undo.pop()
+                try:
+                    undo()
+                except Exception as exc:
+                    self._gate.fail("uninstall", exc)
+            for state in list(self._models.values()):
+                state.remove_hooks()
+            self._models.clear()
+            self._installed = False
+            self._active = None
+        except Exception as exc:
+            self._gate.fail("uninstall", exc)
+
+    # --------------------------------------------------------------- public API
+
+    def trace_step(self, model: torch.nn.Module | None = None) -> Any:
+        try:
+            state = self._model_state(model)
+            return state.ctx
+        except Exception as exc:
+            self._gate.fail("trace_step", exc)
+            return _NULL
+
+    def log(self, **scalars: float | torch.Tensor) -> None:
+        try:
+            rec = self._active
+            step = rec.step if rec is not None else self._last_step
+            for name, value in scalars.items():
+                try:
+                    if isinstance(value, torch.Tensor):
+                        self._scalars.add(step, name, value, self._backend)
+                    else:
+                        self._emit("scalars", {"step": step, "name": name, "value": float(value)})
+                except Exception as exc:
+                    self._gate.fail("log", exc)
+        except Exception as exc:
+            self._gate.fail("log", exc)
+
+    @contextmanager
+    def _span_cm(self, name: str, args: dict[str, Any]) -> Iterator[None]:
+        start_wall = time.time_ns()
+        t0 = self._perf()
+        try:
+            yield
+        finally:
+            try:
+                self._emit_span(name, start_wall, self._perf() - t0, args)
+            except Exception as exc:
+                self._gate.fail("span", exc)
+
+    def span(self, name: str, **args: Any) -> Any:
+        try:
+            return self._span_cm(str(name), args)
+        except Exception as exc:
+            self._gate.fail("span", exc)
+            return _NULL
+
+    def instant(self, name: str, **args: Any) -> None:
+        try:
+            self._emit_span(str(name), time.time_ns(), None, args)
+        except Exception as exc:
+            self._gate.fail("instant", exc)
+
+    def status(self) -> dict[str, Any]:
+        try:
+            phase, since, step = self._status  # one tuple, replaced whole: no tearing
+            return {
+                "phase": phase,
+                "phase_since": (since + self._wall_offset_ns) / 1e9,
+                "step": step,
+                "steps_done": self._steps_done,
+            }
+        except Exception as exc:
+            self._gate.fail("status", exc)
+            return {"phase": IDLE, "phase_since": time.time(), "step": None, "steps_done": 0}
+
+    def poll(self, final: bool = False) -> None:
+        """Resolve device events and lazy scalars; ``final`` (shutdown) stops waiting on the device."""
+        try:
+            self._rss = read_rss()
+        except Exception as exc:
+            self._gate.fail("rss", exc)
+        try:
+            self._resolve_pending(final)
+        except Exception as exc:
+            self._gate.fail("poll_steps", exc)
+        try:
+            for row in self._scalars.resolve(self._backend, self._timeout_ns, final):
+                self._emit("scalars", row)
+        except Exception as exc:
+            self._gate.fail("poll_scalars", exc)
+
+    def parallelism(self) -> str:
+        try:
+            kinds = {state.info.parallelism for state in self._models.values()}
+            if self._none_state is not None:
+                kinds.add(self._none_state.info.parallelism)
+            for kind in ("fsdp2", "ddp"):
+                if kind in kinds:
+                    return kind
+        except Exception as exc:
+            self._gate.fail("parallelism", exc)
+        return "single"
+
+    # Extras for the runtime (not part of the fixed interface).
+
+    def model_rows(self) -> list[dict[str, Any]]:
+        """One "models" row per traced model (to resend after a reconnect)."""
+        states = list(self._models.values()) + ([self._none_state] if self._none_state else [])
+        return [s.info.row(s.model_id) for s in sorted(states, key=lambda s: s.model_id)]
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative loss/failure counters, for the "drops" table."""
+        out = {
+            "tracer_errors": self._gate.total(),
+            "device_steps_dropped": self.device_steps_dropped,
+            "device_steps_fallback": self.device_steps_fallback,
+            "scalars_dropped": self._scalars.dropped,
+        }
+        if self._backend is not None:
+            out["events_exhausted"] = int(getattr(self._backend, "exhausted", 0))
+        return out
+
+    # ------------------------------------------------------------------ models
+
+    def _model_state(self, model: torch.nn.Module | None) -> ModelState:
+        if model is None:
+            if self._none_state is None:
+                self._none_state = self._new_state(None)
+            return self._none_state
+        state = self._models.get(id(model))
+        if state is not None and state.ref() is model:
+            return state
+        if state is not None:  # id reused by a new object after the old model died
+            state.remove_hooks()
+        state = self._new_state(model)
+        self._models[id(model)] = state
+        return state
+
+    def _new_state(self, model: torch.nn.Module | None) -> ModelState:
+        if not self._installed:
+            self.install()
+        info = describe(model)
+        state = ModelState(self._next_model_id, model, info)
+        self._next_model_id += 1
+        state.ctx = _StepContext(self, state)
+        if model is not None:
+            state.handles = hook_forward(model, self)
+            if info.parallelism == "ddp":
+                try:
+                    state.comm_hooked = ddp.attach(model, self)
+                except Exception as exc:
+                    self._gate.fail("ddp_comm_hook", exc)
+            if self._deep_dive and info.parallelism != "fsdp2":
+                state.leaves = leaf_modules(model)
+            key = id(model)
+
+            def forget(_: object, key: int = key, state: ModelState = state) -> None:
+                if self._models.get(key) is state:
+                    del self._models[key]
+
+            state.ref = weakref.ref(model, forget)
+        self._emit("models", info.row(state.model_id))
+        return state
+
+    # -------------------------------------------------------------- step enter/exit
+
+    def _enter(self, state: ModelState) -> None:
+        if state.current is not None:  # same model re-entered: the outer step owns it
+            state.nest += 1
+            return
+        t = self._perf()
+        rec = StepRecord(state.model_id, state.steps, t)
+        fetches = self._fetches
+        if fetches:
+            # Prefer the loader that fed the previous step: a validation loader
+            # iterated in between must not be charged to training.
+            pick = fetches.get(self._fed_by) if self._fed_by is not None else None
+            if pick is None:
+                key = max(fetches, key=lambda k: fetches[k][0])
+                pick = fetches[key]
+                self._fed_by = key
+            rec.dl_out = pick[1]
+            rec.has_dl = True
+            fetches.clear()
+        elif self._any_fetch:
+            rec.has_dl = True
+        if self._h2d_out:
+            rec.h2d_out = self._h2d_out
+            self._h2d_out = 0
+        backend = self._backend
+        if backend is not None:
+            rec.dev = self._h2d_out_dev
+            self._h2d_out_dev = []
+            backend.reset_peak()
+            rec.ev_enter = backend.mark()
+            if rec.ev_enter is None:
+                rec.dev_lost = True
+        if state.leaves is not None and state.steps % self._deep_every == 0:
+            try:
+                rec.deep = DeepDive(state.leaves, self._gate)
+            except Exception as exc:
+                self._gate.fail("deep_dive", exc)
+        rec.prev = self._active
+        self._active = rec
+        state.current = rec
+        self._status = (PH_WAIT, t, rec.step)
+
+    def _exit(self, state: ModelState, failed: bool) -> None:
+        if state.nest:
+            state.nest -= 1
+            return
+        rec = state.current
+        if rec is None:
+            return
+        state.current = None
+        t = self._perf()
+        rec.t_exit = t
+        self._active = rec.prev
+        backend = self._backend
+        if backend is not None:
+            rec.ev_exit = backend.mark()
+            if rec.ev_exit is None:
+                rec.dev_lost = True
+            rec.peak_bytes, rec.reserved_bytes = backend.memory()
+        self._status = (IDLE if rec.prev is None else PH_WAIT, t, rec.step)
+        deep = rec.deep
+        if deep is not None:
+            rec.deep = None
+            deep.detach()
+        if failed:  # the user's step raised: no row and no step number used
+            if backend is not None:
+                for ev in self._events(rec):
+                    backend.release(ev)
+            return
+        state.steps += 1
+        self._steps_done += 1
+        self._last_step = rec.step
+        if backend is None:
+            self._emit("steps", self._host_row(rec))
+        else:
+            self._pending.append(rec)
+        if deep is not None:
+            for row in deep.rows(rec.step, rec.bwd_end or t):
+                self._emit("layers", row)
+
+    # --------------------------------------------------------- phase callbacks
+
+    def _fwd_pre(self, rec: StepRecord) -> None:
+        try:
+            rec.fwd_depth += 1
+            if rec.fwd_depth == 1:
+                t = self._perf()
+                rec.fwd_t0 = t
+                if self._backend is not None:
+                    rec.fwd_ev0 = self._backend.mark()
+                self._status = (PH_FORWARD, t, rec.step)
+        except Exception as exc:
+            self._gate.fail("forward", exc)
+
+    def _fwd_post(self, rec: StepRecord) -> None:
+        try:
+            if rec.fwd_depth <= 0:
+                return
+            rec.fwd_depth -= 1
+            if rec.fwd_depth == 0:
+                t = self._perf()
+                rec.fwd += t - rec.fwd_t0
+                if self._backend is not None:
+                    self._dev_pair(rec, FORWARD, rec.fwd_ev0)
+                    rec.fwd_ev0 = None
+                self._status = (PH_WAIT, t, rec.step)
+        except Exception as exc:
+            self._gate.fail("forward", exc)
+
+    def _bwd_begin(self, rec: StepRecord) -> None:
+        try:
+            rec.bwd_depth += 1
+            if rec.bwd_depth == 1:
+                t = self._perf()
+                rec.bwd_end = t  # reused as the start until _bwd_end
+                if self._backend is not None:
+                    rec.bwd_ev0 = self._backend.mark()
+                self._status = (PH_BACKWARD, t, rec.step)
+        except Exception as exc:
+            self._gate.fail("backward", exc)
+
+    def _bwd_end(self, rec: StepRecord) -> None:
+        try:
+            if rec.bwd_depth <= 0:
+                return
+            rec.bwd_depth -= 1
+            if rec.bwd_depth == 0:
+                t = self._perf()
+                rec.bwd += t - rec.bwd_end
+                rec.bwd_end = t
+                if self._backend is not None:
+                    self._dev_pair(rec, BACKWARD, rec.bwd_ev0)
+                    rec.bwd_ev0 = None
+                self._status = (PH_WAIT, t, rec.step)
+        except Exception as exc:
+            self._gate.fail("backward", exc)
+
+    def _opt_pre(self, rec: StepRecord) -> None:
+        try:
+            # A subclass whose step() calls super().step() fires the global hooks twice, nested.
+            rec.opt_depth += 1
+            if rec.opt_depth > 1:
+                return
+            t = self._perf()
+            rec.opt_t0 = t
+            if self._backend is not None:
+                rec.opt_ev0 = self._backend.mark()
+            self._status = (PH_OPTIMIZER, t, rec.step)
+        except Exception as exc:
+            self._gate.fail("optimizer", exc)
+
+    def _opt_post(self, rec: StepRecord) -> None:
+        try:
+            if rec.opt_depth <= 0:
+                return
+            rec.opt_depth -= 1
+            if rec.opt_depth or not rec.opt_t0:
+                return
+            t = self._perf()
+            rec.opt += t - rec.opt_t0
+            rec.opt_t0 = 0
+            if self._backend is not None:
+                self._dev_pair(rec, OPTIMIZER, rec.opt_ev0)
+                rec.opt_ev0 = None
+            self._status = (PH_WAIT, t, rec.step)
+        except Exception as exc:
+            self._gate.fail("optimizer", exc)
+
+    def _h2d_begin(self) -> tuple[int, Any, tuple[str, int, int | None]]:
+        try:
+            t = self._perf()
+            ev = self._backend.mark() if self._backend is not None else None
+            prev = self._status
+            self._status = (PH_H2D, t, prev[2])
+            return (t, ev, prev)
+        except Exception as exc:
+            self._gate.fail("h2d", exc)
+            return (0, None, self._status)
+
+    def _h2d_end(self, token: tuple[int, Any, tuple[str, int, int | None]]) -> None:
+        try:
+            t0, ev0, prev = token
+            if not t0:
+                return
+            t = self._perf()
+            rec = self._active
+            if rec is not None:
+                rec.h2d += t - t0
+                if self._backend is not None:
+                    self._dev_pair(rec, H2D, ev0)
+            else:
+                self._h2d_out += t - t0
+                if self._backend is not None and ev0 is not None:
+                    ev1 = self._backend.mark()
+                    if ev1 is not None:
+                        self._h2d_out_dev.append((_H2D_OUT, ev0, ev1))
+                    else:
+                        self._backend.release(ev0)
+            self._status = (prev[0], t, prev[2])
+        except Exception as exc:
+            self._gate.fail("h2d", exc)
+
+    def _comm_begin(self) -> tuple[int, Any]:
+        try:
+            return (self._perf(), self._backend.mark() if self._backend is not None else None)
+        except Exception as exc:
+            self._gate.fail("ddp_comm", exc)
+            return (0, None)
+
+    def _comm_end(self, rec: StepRecord, start: tuple[int, Any]) -> None:
+        # Called on the collective's completion thread; list.append is atomic.
+        try:
+            t0, ev0 = start
+            if not t0:
+                return
+            t = self._perf()
+            if rec.comm is None:
+                rec.comm = []
+            rec.comm.append((t0, t))
+            if self._backend is not None:
+                self._dev_pair(rec, COMM, ev0)
+        except Exception as exc:
+            self._gate.fail("ddp_comm", exc)
+
+    def _on_fetch(self, iterator: Any, ns: int, t: int) -> None:
+        self._any_fetch = True
+        rec = self._active
+        if rec is not None:  # fetched inside the step: already within step time
+            rec.dl_in += ns
+            rec.has_dl = True
+            self._status = (PH_WAIT, t, rec.step)
+            return
+        self._fetch_seq += 1
+        self._fetches[id(getattr(iterator, "_dataset", iterator))] = (self._fetch_seq, ns)
+        self._status = (IDLE, t, self._status[2])
+
+    def _dev_pair(self, rec: StepRecord, slot: int, ev0: Any) -> None:
+        backend = self._backend
+        assert backend is not None
+        ev1 = backend.mark()
+        if ev0 is None or ev1 is None:
+            rec.dev_lost = True
+            for ev in (ev0, ev1):
+                if ev is not None:
+                    backend.release(ev)
+            return
+        if rec.dev is None:
+            rec.dev = []
+        rec.dev.append((slot, ev0, ev1))
+
+    # ------------------------------------------------------------------ rows
+
+    def _host_row(self, rec: StepRecord) -> dict[str, Any]:
+        step_ns = rec.t_exit - rec.t_enter + rec.dl_out + rec.h2d_out
+        dl = rec.dl_out + rec.dl_in if rec.has_dl else None
+        h2d_ns = rec.h2d + rec.h2d_out if self._cuda else None
+        return self._row(rec, step_ns, dl, h2d_ns, rec.fwd, rec.bwd, rec.opt, rec.comm)
+
+    def _row(self, rec: StepRecord, step_ns: int, dl: int | None, h2d_ns: int | None, fwd: int, bwd: int, opt: int,
+             comm: list[tuple[int, int]] | None) -> dict[str, Any]:
+        comm_ns, wait = derive_wait(comm)
+        if wait is not None:
+            # Backward ran until DDP's last all-reduce completed; the blocked part is wait.
+            bwd = max(0, bwd - wait)
+        else:
+            wait = max(0, step_ns - (dl or 0) - (h2d_ns or 0) - fwd - bwd - opt)
+        return {
+            "step": rec.step,
+            "ts": (rec.t_exit + self._wall_offset_ns) / 1e9,
+            "step_ns": step_ns,
+            "dataloader_ns": dl,
+            "h2d_ns": h2d_ns,
+            "forward_ns": fwd,
+            "backward_ns": bwd,
+            "optimizer_ns": opt,
+            "wait_ns": wait,
+            "comm_ns": comm_ns,
+            "peak_bytes": rec.peak_bytes,
+            "reserved_bytes": rec.reserved_bytes,
+            "rss_bytes": self._rss,
+            "model_id": rec.model_id,
+        }
+
+    @staticmethod
+    def _events(rec: StepRecord) -> list[Any]:
+        evs = [ev for ev in (rec.ev_enter, rec.ev_exit) if ev is not None]
+        for _, ev0, ev1 in rec.dev or ():
+            evs.append(ev0)
+            evs.append(ev1)
+        return evs
+
+    def _resolve_pending(self, final: bool) -> None:
+        backend = self._backend
+        pending = self._pending
+        if backend is None:
+            return
+        now = self._perf()
+        while pending:
+            rec = pending[0]
+            events = self._events(rec)
+            if rec.dev_lost:
+                self.device_steps_fallback += 1
+                row = self._host_row(rec)
+            elif all(backend.done(ev) for ev in events):
+                row = self._device_row(rec, backend)
+            elif final or now - rec.t_exit > self._timeout_ns:
+                # Head of line stuck past the bound: keep the step with host timings, count the drop.
+                self.device_steps_dropped += 1
+                row = self._host_row(rec)
+            else:
+                break  # in-order completion: later steps cannot be done before this one
+            pending.popleft()
+            for ev in events:
+                backend.release(ev)
+            self._emit("steps", row)
+
+    def _device_row(self, rec: StepRecord, backend: EventBackend) -> dict[str, Any]:
+        acc = [0] * 7
+        comm: list[tuple[int, int]] | None = None
+        ev_enter = rec.ev_enter
+        for slot, ev0, ev1 in rec.dev or ():
+            if slot == COMM:
+                if comm is None:
+                    comm = []
+                # Offsets from step start put all buckets on one timeline.
+                comm.append((backend.elapsed_ns(ev_enter, ev0), backend.elapsed_ns(ev_enter, ev1)))
+            acc[slot] += max(0, backend.elapsed_ns(ev0, ev1))
+        step_ns = max(0, backend.elapsed_ns(ev_enter, rec.ev_exit)) + rec.dl_out + acc[_H2D_OUT]
+        dl = rec.dl_out + rec.dl_in if rec.has_dl else None
+        return self._row(rec, step_ns, dl, acc[H2D] + acc[_H2D_OUT], acc[FORWARD], acc[BACKWARD], acc[OPTIMIZER],
+                         comm)
+
+    def _emit(self, table: str, row: dict[str, Any]) -> None:
+        # A failing recorder costs the row, never the step or the model's state.
+        try:
+            self._recorder.add(table, row)
+        except Exception as exc:
+            self._gate.fail("recorder", exc)
+
+    def _emit_span(self, name: str, start_wall: int, dur: int | None, args: dict[str, Any]) -> None:
+        rec = self._active
+        self._emit(
+            "spans",
+            {
+                "name": name,
+                "start_ns": start_wall,
+                "dur_ns": dur,
+                "step": rec.step if rec is not None else self._last_step,
+                "args": json.dumps(args, default=str) if args else "{}",
+            },
+        )
