@@ -115,7 +115,7 @@ async def _serve(config: dict[str, Any], flush_timeout: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     relay = NodeRelay(**config)
     await relay.start()
-    print(f"[traceml relay] listening on {relay.host}:{relay.port}, daemon {config['upstream'][0]}:{config['upstream'][1]}", file=sys.stderr, flush=True)
+    print(f"[traceml] relay listening on {relay.host}:{relay.port}, daemon {config['upstream'][0]}:{config['upstream'][1]}", file=sys.stderr, flush=True)
     await stop.wait()
     await relay.aclose(flush_timeout)
 

@@ -64,7 +64,7 @@ class RelayStats:
 
 def warn(message: str) -> None:
     """Relay diagnostics go to stderr with a fixed prefix (never the token)."""
-    print(f"[traceml relay] {message}", file=sys.stderr, flush=True)
+    print(f"[traceml] relay: {message}", file=sys.stderr, flush=True)
 
 
 class Upstream:
