@@ -48,6 +48,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus/OpenMetrics on GET /metrics at this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
+    p.add_argument("--retention-days", type=float, help="delete raw rows older than this many days (history stays)")
+    p.add_argument("--max-db-mb", type=float, help="delete the oldest raw rows while the db uses more than this")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -117,6 +121,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         queue_bytes=args.queue_bytes,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        retention_days=args.retention_days,
+        max_db_mb=args.max_db_mb,
     )
     if args.tui:
         return _serve_with_tui(args.db)

@@ -22,6 +22,7 @@ from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import Counters
 from traceml_daemon.inbound import ByteQueue, QueueClosed
 from traceml_daemon.session import Batch, Closed, Event, Failed, Hello, PeerSession, Refused
+from traceml_daemon.store.retention import RetentionPolicy
 from traceml_daemon.store.writer import StoreWriter, WorkItem
 from traceml_wire import messages
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
@@ -43,6 +44,10 @@ class ServerConfig:
     hello_timeout: float = 10.0
     tls_cert: str | None = None
     tls_key: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # serve OpenMetrics on GET /metrics when set (0 = any free port)
+    retention_days: float | None = None  # delete raw rows older than this (history stays)
+    max_db_mb: float | None = None  # delete the oldest raw rows while the db uses more
 
 
 def is_loopback(host: str) -> bool:
@@ -66,7 +71,12 @@ class DaemonServer:
         self.config = config
         self.counters = Counters()
         self.aggregates = Aggregates()
-        self.writer = StoreWriter(config.db_path, self.counters, self.aggregates)
+        self.writer = StoreWriter(
+            config.db_path,
+            self.counters,
+            self.aggregates,
+            retention=RetentionPolicy.from_flags(config.retention_days, config.max_db_mb),
+        )
         self.queue: ByteQueue[WorkItem] = ByteQueue(config.queue_bytes)
         self._active = 0
         self._tg: asyncio.TaskGroup | None = None
@@ -93,7 +103,8 @@ class DaemonServer:
                 limit=READ_CHUNK,
                 start_serving=False,
             )
-            async with server, asyncio.TaskGroup() as tg:
+            metrics = await self._start_metrics(server)
+            async with server, metrics or contextlib.nullcontext(), asyncio.TaskGroup() as tg:
                 self._tg = tg
                 await server.start_serving()
                 port = server.sockets[0].getsockname()[1]
@@ -112,6 +123,24 @@ class DaemonServer:
         finally:
             self._tg = None
             await self.writer.close()
+
+    async def _start_metrics(self, server: asyncio.Server) -> asyncio.Server | None:
+        """The optional /metrics endpoint, bound before the TaskGroup (a busy port stays a plain OSError)."""
+        if self.config.metrics_port is None:
+            return None
+        from traceml_daemon.metrics import start_metrics_server
+        from traceml_daemon.metrics_collect import MetricsCollector
+
+        host = self.config.metrics_host
+        collector = MetricsCollector(self.config.db_path, self.aggregates, self.counters)
+        try:
+            metrics = await start_metrics_server(host, self.config.metrics_port, collector.render)
+        except OSError as exc:
+            server.close()
+            raise OSError(exc.errno, f"metrics endpoint {host}:{self.config.metrics_port}: {exc.strerror}") from None
+        port = metrics.sockets[0].getsockname()[1]
+        print(f"metrics on http://{host}:{port}/metrics", flush=True)
+        return metrics
 
     # ------------------------------------------------------------ connections
 
