@@ -116,8 +116,9 @@ class Runtime:
                 self.recorder,
                 deep_dive=config.deep_dive,
                 deep_dive_every=config.deep_dive_every,
-                # The tracer already warns once per kind and prefixes its lines.
-                warn=lambda msg: self.reporter.report("tracer:" + msg, msg.removeprefix("[traceml] ")),
+                # The tracer warns once per kind with an unprefixed message; one reporter
+                # key per kind so every kind's first failure prints (with one prefix).
+                warn=lambda kind, msg: self.reporter.report(f"tracer:{kind}", msg),
             )
         except Exception as exc:
             self.reporter.report("tracer", f"step capture unavailable ({exc!r}); sending resource samples only")

@@ -97,7 +97,7 @@ class Tracer:
         *,
         deep_dive: bool = False,
         deep_dive_every: int = 50,
-        warn: Callable[[str], None] = lambda msg: None,
+        warn: Callable[[str, str], None] = lambda kind, msg: None,
         event_backend: EventBackend | None = _AUTO,
         event_timeout_s: float = 30.0,
     ) -> None:
@@ -531,6 +531,14 @@ class Tracer:
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
             return (0, None)
+
+    def _comm_wait(self, rec: StepRecord) -> None:
+        """The last DDP bucket was launched: backward compute is done, the rest is waiting."""
+        try:
+            # Set from the thread that ran the hook (the autograd thread); one tuple, replaced whole.
+            self._status = (PH_WAIT, self._perf(), rec.step)
+        except Exception as exc:
+            self._gate.fail("ddp_comm", exc)
 
     def _comm_end(self, rec: StepRecord, start: tuple[int, Any]) -> None:
         # Called on the collective's completion thread; list.append is atomic.

@@ -1,22 +1,39 @@
 """Training-thread cost of ``Tracer.trace_step`` + automatic phase capture (CPU).
 
-Modes run interleaved round by round in one process, so a noisy machine hits
-all of them alike: ``none`` (no instrumentation), ``tracer`` (installed Tracer,
-deep dive off) and ``profiler`` (torch.profiler, CPU activity). Each step is a
-real forward/backward/SGD step of a Sequential of N modules, padded with a
-spin to the target step cost; every step also fetches from a DataLoader.
+Three modes run interleaved block by block in one process, so a noisy
+machine hits all of them alike: ``none`` (no instrumentation installed),
+``tracer`` (installed Tracer, deep dive off) and ``profiler``
+(torch.profiler, CPU activity). A step is a real forward/backward/SGD step of
+a Sequential of N modules with one DataLoader fetch, padded to the target
+step time with a FIXED spin: the loop count is calibrated once per
+configuration on the uninstrumented step and then reused unchanged by every
+mode. (Padding with ``spin_until(t0 + target)`` would let the spin absorb the
+tracer's own cost and report zero overhead.)
 
-Cost per step = median(mode) - median(none). Prints medians with min/max per
-config and ends with one JSON line. ``--long`` runs more rounds and steps.
+Figures, each printed beside the baseline it is compared with:
+
+* per configuration: cost per step = median(mode) - median(none) over all
+  blocks, with the min/max of the per-round differences, and that cost as a
+  percentage of the uninstrumented step;
+* the relative cost on the ~20 ms step, both as measured there and as the
+  (much less noisy) 0.3 ms-step cost divided by the 20 ms step;
+* launch cost: ``python -c 'import agent; agent.init()'`` against
+  ``python -c 'import torch'``, and ``agent.init()`` alone, with no daemon.
+
+Ends with one JSON line. ``--long`` runs more rounds; ``--quick`` fewer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,116 +42,279 @@ from torch.utils.data import DataLoader, TensorDataset
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 
+MODES_ALL = ("none", "tracer", "profiler")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _layer(i: int) -> torch.nn.Module:
+    # Mostly Identity so that even 512 modules make a step of a few ms (a deep model of
+    # real layers would drown a microsecond-scale cost in its own noise); every 8th is a
+    # Linear, so parameters, gradients and the optimizer grow with depth as well.
+    if i % 8 == 0:
+        return torch.nn.Linear(8, 8)
+    if i % 8 == 4:
+        return torch.nn.Tanh()
+    return torch.nn.Identity()
+
 
 def make_model(n_modules: int) -> torch.nn.Module:
     # n_modules counts every module including the Sequential itself.
-    layers = [torch.nn.Linear(8, 8) if i % 2 == 0 else torch.nn.Tanh() for i in range(n_modules - 1)]
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*[_layer(i) for i in range(n_modules - 1)])
 
 
-def spin_until(deadline: int) -> None:
-    while time.perf_counter_ns() < deadline:
-        pass
+class _QuietStderr:
+    """torch.profiler's native layer prints start/stop lines on fd 2: keep the report readable."""
+
+    def __enter__(self) -> None:
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc: object) -> None:
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
 
 
-def run_mode(mode: str, model: torch.nn.Module, loader: DataLoader[Any], target_ns: int, steps: int,
-             tracer: Tracer) -> list[int]:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    times: list[int] = []
-    perf = time.perf_counter_ns
+def spin(iterations: int) -> int:
+    """A fixed amount of pure-Python work: its cost does not depend on what ran before."""
+    acc = 0
+    for i in range(iterations):
+        acc ^= i
+    return acc
 
-    def body(x: torch.Tensor, t0: int) -> None:
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        spin_until(t0 + target_ns)
 
-    it = iter(loader)
-    prof = None
-    if mode == "profiler":
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        prof.__enter__()
-    try:
+def calibrate_spin() -> float:
+    """Spin iterations per nanosecond (median of a few tries, done once)."""
+    rates = []
+    for _ in range(7):
+        n = 200_000
+        t0 = time.perf_counter_ns()
+        spin(n)
+        rates.append(n / max(1, time.perf_counter_ns() - t0))
+    return statistics.median(rates)
+
+
+class Workload:
+    """One model + optimizer + endless loader; ``step`` runs one padded step."""
+
+    def __init__(self, n_modules: int) -> None:
+        self.model = make_model(n_modules)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.loader = DataLoader(TensorDataset(torch.randn(4096, 8)), batch_size=4)
+        self._it: Iterator[Any] = iter(self.loader)
+        self.pad = 0
+
+    def _next(self) -> torch.Tensor:
+        try:
+            (x,) = next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            (x,) = next(self._it)
+        return x
+
+    def _body(self, x: torch.Tensor) -> None:
+        self.model(x).sum().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        spin(self.pad)
+
+    def run(self, steps: int, tracer: Tracer | None) -> list[int]:
+        perf = time.perf_counter_ns
+        model = self.model
+        times: list[int] = []
         for _ in range(steps):
             t0 = perf()
-            try:
-                (x,) = next(it)
-            except StopIteration:
-                it = iter(loader)
-                (x,) = next(it)
-            if mode == "tracer":
+            x = self._next()
+            if tracer is not None:
                 with tracer.trace_step(model):
-                    body(x, t0)
+                    self._body(x)
             else:
-                body(x, t0)
+                self._body(x)
             times.append(perf() - t0)
+        return times
+
+
+def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup: int = 2) -> list[int]:
+    """One block of ``steps`` timed steps in ``mode``; set-up and warm-up steps are not timed."""
+    tracer: Tracer | None = None
+    prof: Any = None
+    if mode == "tracer":
+        tracer = Tracer(recorder, event_backend=None)
+        tracer.install()
+    elif mode == "profiler":
+        # Its stop processes every recorded op (seconds for deep models): fewer steps keep
+        # the run short, and medians over equal-length blocks are not needed to compare.
+        steps = min(steps, 40)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with _QuietStderr():
+            prof.__enter__()
+    try:
+        # The first traced step describes the model and registers its hooks (once per model).
+        work.run(warmup, tracer)
+        return work.run(steps, tracer)
     finally:
+        if tracer is not None:
+            tracer.uninstall()
         if prof is not None:
-            prof.__exit__(None, None, None)
-    return times
+            with _QuietStderr():
+                prof.__exit__(None, None, None)
+        recorder.drain()  # the sender thread's job: not on the timed path
+
+
+def measure_config(n_modules: int, target_ms: float, rate: float, rounds: int, budget_ms: float,
+                   modes: list[str], recorder: Recorder) -> dict[str, Any]:
+    work = Workload(n_modules)
+    # Calibrate the pad once, on the uninstrumented step; every mode reuses the same count.
+    work.run(5, None)
+    body_ns = statistics.median(work.run(15, None))
+    work.pad = max(0, int((target_ms * 1e6 - body_ns) * rate))
+    steps = max(6, int(budget_ms / max(target_ms, body_ns / 1e6) / rounds))
+    samples: dict[str, list[int]] = {m: [] for m in modes}
+    per_round: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            times = run_block(mode, work, steps, recorder)
+            samples[mode].extend(times)
+            per_round[mode].append(statistics.median(times))
+    base = statistics.median(samples["none"])
+    row: dict[str, Any] = {
+        "n_modules": n_modules,
+        "target_step_ms": target_ms,
+        "unpadded_step_us": body_ns / 1e3,
+        "pad_iterations": work.pad,
+        "steps_per_mode": steps * rounds,
+        "none_median_us": base / 1e3,
+    }
+    line = [f"modules={n_modules:4d} step~{target_ms:5.1f}ms  none (baseline) {base / 1e3:9.1f}us"]
+    for mode in modes[1:]:
+        med = statistics.median(samples[mode])
+        deltas = [(m - b) / 1e3 for m, b in zip(per_round[mode], per_round["none"], strict=True)]
+        cost = (med - base) / 1e3
+        row[f"{mode}_median_us"] = med / 1e3
+        row[f"{mode}_cost_us"] = cost
+        row[f"{mode}_cost_us_min"] = min(deltas)
+        row[f"{mode}_cost_us_max"] = max(deltas)
+        row[f"{mode}_pct"] = 100.0 * cost * 1e3 / base
+        line.append(f"{mode} {med / 1e3:9.1f}us = {cost:+8.2f}us ({row[f'{mode}_pct']:+.3f}%) "
+                    f"[per-round {min(deltas):+.2f} .. {max(deltas):+.2f}]")
+    print("  ".join(line), flush=True)
+    return row
+
+
+# ------------------------------------------------------------------ launch cost
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # No daemon: point the agent and its relay at ports nobody listens on, so the
+    # run never touches a daemon (or relay) another job on this machine started.
+    env["TRACEML_DAEMON"] = f"127.0.0.1:{_free_port()}"
+    env["TRACEML_RELAY_PORT"] = str(_free_port())
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TRACEML_DISABLE"):
+        env.pop(var, None)
+    return env
+
+
+INIT_CHILD = (
+    "import time, json, torch\n"
+    "import agent\n"
+    "t0 = time.perf_counter_ns(); agent.init(); t1 = time.perf_counter_ns()\n"
+    "agent.shutdown(); t2 = time.perf_counter_ns()\n"
+    "print(json.dumps({'init_ns': t1 - t0, 'shutdown_ns': t2 - t1}))\n"
+)
+
+
+def _wall(code: str) -> tuple[float, str]:
+    t0 = time.perf_counter_ns()
+    out = subprocess.run([sys.executable, "-c", code], env=_child_env(), cwd=REPO, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return (time.perf_counter_ns() - t0) / 1e6, out.stdout
+
+
+def measure_launch(runs: int) -> dict[str, Any]:
+    torch_ms: list[float] = []
+    agent_ms: list[float] = []
+    init_ms: list[float] = []
+    shutdown_ms: list[float] = []
+    for i in range(runs):
+        # Alternate the order so a background burst does not always hit the same one.
+        pair = [("torch", "import torch"), ("agent", "import agent; agent.init()")]
+        for name, code in pair if i % 2 == 0 else pair[::-1]:
+            (torch_ms if name == "torch" else agent_ms).append(_wall(code)[0])
+        _, out = _wall(INIT_CHILD)
+        fig = json.loads(out.strip().splitlines()[-1])
+        init_ms.append(fig["init_ns"] / 1e6)
+        shutdown_ms.append(fig["shutdown_ns"] / 1e6)
+    res = {
+        "launch_torch_ms": statistics.median(torch_ms),
+        "launch_agent_init_ms": statistics.median(agent_ms),
+        "launch_cost_ms": statistics.median(agent_ms) - statistics.median(torch_ms),
+        "launch_torch_ms_minmax": [min(torch_ms), max(torch_ms)],
+        "launch_agent_init_ms_minmax": [min(agent_ms), max(agent_ms)],
+        "init_ms": statistics.median(init_ms),
+        "init_ms_minmax": [min(init_ms), max(init_ms)],
+        "shutdown_no_daemon_ms": statistics.median(shutdown_ms),
+        "launch_runs": runs,
+    }
+    print(f"launch: python -c 'import agent; agent.init()' {res['launch_agent_init_ms']:.0f}ms "
+          f"[{min(agent_ms):.0f}..{max(agent_ms):.0f}] vs baseline python -c 'import torch' "
+          f"{res['launch_torch_ms']:.0f}ms [{min(torch_ms):.0f}..{max(torch_ms):.0f}] -> "
+          f"+{res['launch_cost_ms']:.0f}ms (median of {runs})", flush=True)
+    print(f"agent.init() with torch already imported, no daemon: {res['init_ms']:.2f}ms "
+          f"[{min(init_ms):.2f}..{max(init_ms):.2f}]; agent.shutdown() then {res['shutdown_no_daemon_ms']:.0f}ms",
+          flush=True)
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--long", action="store_true", help="more rounds and steps (several minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     ap.add_argument("--no-profiler", action="store_true")
+    ap.add_argument("--no-launch", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rounds = 6 if args.long else 3
-    step_costs_ms = (0.3, 2.0, 20.0)
-    module_counts = (4, 64, 512)
+    rounds = 10 if args.long else (2 if args.quick else 6)
+    budget_ms = 6000.0 if args.long else (800.0 if args.quick else 2000.0)  # timed ms per mode per config
     modes = ["none", "tracer"] + ([] if args.no_profiler else ["profiler"])
     recorder = Recorder()
-    tracer = Tracer(recorder, event_backend=None)
-    tracer.install()
-    loader = DataLoader(TensorDataset(torch.randn(4096, 8)), batch_size=4)
-    drain: Callable[[], Any] = recorder.drain
-    results: list[dict[str, Any]] = []
-    for n_modules in module_counts:
-        model = make_model(n_modules)
-        for cost_ms in step_costs_ms:
-            steps = max(5, int((4000 if args.long else 600) / max(cost_ms, 1.0) / 3))
-            samples: dict[str, list[int]] = {m: [] for m in modes}
-            per_round: dict[str, list[float]] = {m: [] for m in modes}
-            run_mode("none", model, loader, int(cost_ms * 1e6), 5, tracer)  # warm up
-            for r in range(rounds):
-                order = modes if r % 2 == 0 else list(reversed(modes))
-                for mode in order:
-                    times = run_mode(mode, model, loader, int(cost_ms * 1e6), steps, tracer)
-                    samples[mode].extend(times)
-                    per_round[mode].append(statistics.median(times))
-                    drain()
-            base = statistics.median(samples["none"])
-            row: dict[str, Any] = {"n_modules": n_modules, "target_step_ms": cost_ms, "steps_per_mode": steps * rounds,
-                                   "none_median_us": base / 1e3}
-            line = [f"modules={n_modules:4d} step~{cost_ms:5.1f}ms  none={base / 1e3:9.1f}us"]
-            for mode in modes[1:]:
-                med = statistics.median(samples[mode])
-                deltas = [m - b for m, b in zip(per_round[mode], per_round["none"], strict=True)]
-                cost_us = (med - base) / 1e3
-                row[f"{mode}_cost_us"] = cost_us
-                row[f"{mode}_cost_us_min"] = min(deltas) / 1e3
-                row[f"{mode}_cost_us_max"] = max(deltas) / 1e3
-                row[f"{mode}_pct"] = 100.0 * (med - base) / base
-                line.append(f"{mode}: +{cost_us:8.1f}us ({row[f'{mode}_pct']:+.3f}%) "
-                            f"[round min {min(deltas) / 1e3:+.1f} max {max(deltas) / 1e3:+.1f}]")
-            print("  ".join(line), flush=True)
-            results.append(row)
-    # Pure hot-path cost: the same steps with no padding, tiny body, many steps.
-    hot: dict[str, float] = {}
-    for n_modules in module_counts:
-        model = make_model(n_modules)
-        none_t: list[int] = []
-        tr_t: list[int] = []
-        for _ in range(rounds * 2):
-            none_t.extend(run_mode("none", model, loader, 0, 200, tracer))
-            tr_t.extend(run_mode("tracer", model, loader, 0, 200, tracer))
-            drain()
-        hot[str(n_modules)] = (statistics.median(tr_t) - statistics.median(none_t)) / 1e3
-        print(f"hot path, modules={n_modules:4d}: tracer +{hot[str(n_modules)]:.2f}us/step "
-              f"(baseline step {statistics.median(none_t) / 1e3:.1f}us)", flush=True)
-    tracer.uninstall()
-    print(json.dumps({"configs": results, "hot_path_cost_us": hot}))
+    rate = calibrate_spin()
+    print(f"spin calibration: {rate * 1e3:.1f} iterations/us; modes run interleaved, {rounds} rounds", flush=True)
+    results = [measure_config(n, ms, rate, rounds, budget_ms, modes, recorder)
+               for n in (4, 64, 512) for ms in (0.3, 2.0, 20.0)]
+
+    # (a) training-thread cost: the shortest step is the least noisy place to read it.
+    hot = {str(r["n_modules"]): r for r in results if r["target_step_ms"] == 0.3}
+    cost_us = {k: r["tracer_cost_us"] for k, r in hot.items()}
+    flat = max(cost_us.values()) - min(cost_us.values())
+    for k, r in hot.items():
+        print(f"(a) tracer cost per step, {k:>3} modules: {r['tracer_cost_us']:+.2f}us "
+              f"[per-round {r['tracer_cost_us_min']:+.2f} .. {r['tracer_cost_us_max']:+.2f}] "
+              f"(baseline step {r['none_median_us']:.1f}us, with tracer {r['tracer_median_us']:.1f}us)", flush=True)
+    print(f"(a) spread 4 -> 512 modules: {flat:.2f}us", flush=True)
+    # (b) relative to the ~20 ms step.
+    rel: dict[str, Any] = {}
+    for r in results:
+        if r["target_step_ms"] != 20.0:
+            continue
+        k = str(r["n_modules"])
+        rel[k] = {"measured_pct": r["tracer_pct"], "from_hot_pct": 100.0 * cost_us[k] / r["none_median_us"],
+                  "step_us": r["none_median_us"]}
+        print(f"(b) relative to the 20 ms step, {k:>3} modules: measured {r['tracer_pct']:+.4f}%, "
+              f"0.3 ms-step cost / 20 ms step {rel[k]['from_hot_pct']:+.4f}% "
+              f"(baseline step {r['none_median_us'] / 1e3:.3f}ms)", flush=True)
+    launch = {} if args.no_launch else measure_launch(3 if not args.long else 7)
+    print(json.dumps({"configs": results, "tracer_cost_us": cost_us, "tracer_cost_spread_us": flat,
+                      "relative_20ms": rel, **launch}))
 
 
 if __name__ == "__main__":

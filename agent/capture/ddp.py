@@ -34,15 +34,33 @@ def has_user_comm_hook(ddp: Any) -> bool:
         return False
 
 
-def timed_allreduce(state: CommTimerState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+_allreduce_hook: Any = None
 
+
+def _default_hook() -> Any:
+    # Imported once, not per bucket: an import statement is a dict lookup plus a lock per call.
+    global _allreduce_hook
+    if _allreduce_hook is None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        _allreduce_hook = allreduce_hook
+    return _allreduce_hook
+
+
+def timed_allreduce(state: CommTimerState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    allreduce_hook = _allreduce_hook or _default_hook()
     tracer = state.tracer
     rec = tracer._active
     if rec is None:
         return allreduce_hook(state.process_group, bucket)
     start = tracer._comm_begin()
     fut = allreduce_hook(state.process_group, bucket)
+    if bucket.is_last():
+        # DDP launches buckets in index order once all their gradients exist, so the
+        # last launch means backward compute is over: until the collectives complete,
+        # the training thread only waits for its peers. Saying "wait" here lets the
+        # daemon tell the rank that hangs (still in backward) from those waiting on it.
+        tracer._comm_wait(rec)
 
     def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         # Runs on the backend's completion thread; record first, then hand back the

@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-PREFIX = "[traceml] "
-
 
 class ErrorGate:
-    def __init__(self, warn: Callable[[str], None]) -> None:
+    def __init__(self, warn: Callable[[str, str], None]) -> None:
+        # warn(kind, message): the kind lets the caller keep one "first warning" per
+        # kind; the message carries no "[traceml]" prefix (the caller's printer adds it).
         self._warn = warn
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
@@ -27,7 +27,7 @@ class ErrorGate:
                 self.counts[kind] = self.counts.get(kind, 0) + 1
             if first:
                 detail = f": {exc.__class__.__name__}: {exc}" if exc is not None else ""
-                self._warn(f"{PREFIX}tracer {kind} failed{detail} (further failures of this kind are only counted)")
+                self._warn(kind, f"tracer {kind} failed{detail} (further failures of this kind are only counted)")
         except Exception:  # a broken warn callback must not break training either
             pass
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,80 @@ def test_fsdp2_reports_shards_and_adds_no_layer_hooks(tmp_path: Path) -> None:
             assert res[label]["changed"] == [""]  # only the traced root got our two hooks
         assert "layers" not in res["tables"]  # deep dive is off under FSDP2
         assert len(res["tables"]["steps"]["step"]) == 4
+
+
+HANG_STEP = 1
+
+
+def _hang_worker(rank: int, port: int, out: str, stuck: Any, release: Any) -> None:
+    """Rank 1 blocks in a gradient hook during backward (as in examples/scenarios/hang.py)
+    until rank 0 has looked at its own status; Events with timeouts keep the test finite."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from agent.recorder import Recorder
+    from agent.tracer import Tracer
+
+    _init(rank, port)
+    tracer = Tracer(Recorder(), event_backend=None)
+    tracer.install()
+    inner = _mlp()
+    step_box = [0]
+    seen: dict[str, Any] = {}
+
+    def block(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and step_box[0] == HANG_STEP:
+            seen["own"] = tracer.status()  # what this rank reports while it is the stuck one
+            stuck.set()
+            seen["released"] = release.wait(60)
+        return grad
+
+    inner[0].weight.register_hook(block)  # first layer: its bucket is the last to be launched
+    model = DDP(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watcher: threading.Thread | None = None
+    if rank == 0:
+
+        def watch() -> None:
+            if not stuck.wait(60):
+                seen["own"] = {"phase": "rank 1 never blocked"}
+                release.set()
+                return
+            # Rank 0 may still be between phases of the same step (a transient "wait"
+            # between forward and backward): record the phase it settles in, the one it
+            # keeps while blocked, i.e. one entered at least 0.5 s ago.
+            deadline = time.monotonic() + 20
+            status = tracer.status()
+            while time.time() - status["phase_since"] < 0.5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+                status = tracer.status()
+            seen["own"] = status
+            release.set()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+    for step in range(3):
+        step_box[0] = step
+        with tracer.trace_step(model):
+            model(torch.randn(8, 64)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    if watcher is not None:
+        watcher.join(30)
+    seen["after"] = tracer.status()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    tracer.uninstall()
+    dist.destroy_process_group()
+
+
+def test_status_shows_wait_on_the_rank_waiting_for_a_hung_peer(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    stuck, release = ctx.Event(), ctx.Event()
+    mp.spawn(_hang_worker, args=(_free_port(), str(tmp_path), stuck, release), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    # The stuck rank is inside backward; the healthy one waits in the all-reduce for it:
+    # exactly the split the daemon's liveness check needs to name rank 1 in a HANG.
+    assert r1["own"]["phase"] == "backward" and r1["own"]["step"] == HANG_STEP, r1
+    assert r0["own"]["phase"] == "wait" and r0["own"]["step"] == HANG_STEP, r0
+    assert r1["released"] is True
+    for res in (r0, r1):  # once released, the job goes on and the status moves past the hang
+        assert res["after"]["phase"] == "idle" and res["after"]["steps_done"] == 3

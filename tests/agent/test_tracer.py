@@ -297,7 +297,13 @@ class BrokenRecorder(Recorder):
 
 def test_nothing_raises_into_user_code() -> None:
     warnings: list[str] = []
-    tracer = Tracer(BrokenRecorder(), warn=warnings.append, event_backend=None)
+    kinds: list[str] = []
+
+    def warn(kind: str, msg: str) -> None:
+        kinds.append(kind)
+        warnings.append(msg)
+
+    tracer = Tracer(BrokenRecorder(), warn=warn, event_backend=None)
     tracer.install()
     try:
         model = Net()
@@ -316,8 +322,9 @@ def test_nothing_raises_into_user_code() -> None:
         assert tracer.status()["steps_done"] == 3
     finally:
         tracer.uninstall()
-    assert warnings and all(w.startswith("[traceml] ") for w in warnings)
-    assert len(warnings) == len(set(warnings))  # once per kind, then only counted
+    # The printer adds the one "[traceml]" prefix; each kind is warned once, then only counted.
+    assert warnings and not any("[traceml]" in w for w in warnings)
+    assert len(kinds) == len(set(kinds)) and "recorder" in kinds
     assert tracer.counters()["tracer_errors"] > len(warnings)
 
 
@@ -357,3 +364,39 @@ def test_uninstall_restores_everything(recorder: Recorder) -> None:
     assert torch.autograd.backward is backward
     assert _BaseDataLoaderIter.__next__ is next_
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_each_tracer_error_kind_prints_once_with_one_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.config import load_config
+    from agent.errors import ErrorReporter
+    from agent.runtime import Runtime
+
+    config, _ = load_config({"TRACEML_NO_RELAY": "1"})
+    runtime = Runtime(config, env={}, reporter_=ErrorReporter())
+    try:
+        gate = runtime.tracer._gate
+        for _ in range(3):
+            gate.fail("forward", RuntimeError("a"))
+            gate.fail("backward", RuntimeError("b"))
+    finally:
+        runtime.tracer.uninstall()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "tracer" in line]
+    assert len(lines) == 2  # one per kind: the second kind is not hidden behind the first
+    assert all(line.startswith("[traceml] tracer ") and line.count("[traceml]") == 1 for line in lines)
+    assert runtime.tracer.counters()["tracer_errors"] == 6
+
+
+def test_tracer_counters_reach_the_drops_rows(recorder: Recorder) -> None:
+    from agent.batch import BatchBuilder
+    from agent.errors import ErrorReporter
+
+    tracer = Tracer(recorder, event_backend=None)
+    tracer._gate.fail("forward", RuntimeError("x"))
+    tracer._scalars.dropped = 3
+    builder = BatchBuilder(recorder, tracer, is_node_leader=lambda: False, counters=lambda: {"recorder_rows": 0},
+                           reporter=ErrorReporter(), sample_gpus=False)
+    drops = builder.build(time.time(), final=False)["drops"]
+    got = dict(zip(drops["source"], drops["count"], strict=True))
+    assert got["tracer_errors"] == 1 and got["scalars_dropped"] == 3
+    assert {"device_steps_dropped", "device_steps_fallback", "recorder_rows"} <= set(got)
+    assert all(isinstance(v, int) for v in got.values())  # the daemon stores int counts only
