@@ -157,8 +157,11 @@ class NodeRelay:
                 stream.writer.transport.abort()
             await asyncio.gather(*self._connections, return_exceptions=True)
             try:
-                await asyncio.wait_for(self.upstream.wait_drained(), timeout)
-            except asyncio.TimeoutError:
+                # Waiting for acks from a daemon we are not connected to would
+                # only hold up the training process's exit: close() spools instead.
+                if self.upstream.connected:
+                    await asyncio.wait_for(self.upstream.wait_drained(), timeout)
+            except TimeoutError:
                 if self.upstream.unacked and self.upstream.spool is None:
                     warn(f"stopping with {self.upstream.unacked} rbatch(es) not acknowledged by the daemon")
             await self.upstream.say_bye()
@@ -227,7 +230,7 @@ class NodeRelay:
         await stream.send(wm.challenge(nonce))
         try:
             hello = wm.validate_client_message(await asyncio.wait_for(stream.read_message(), self.hello_timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return await self._refuse(stream, "no hello within the timeout")
         except ProtocolError as exc:
             return await self._refuse(stream, f"bad hello: {exc}")
@@ -247,7 +250,7 @@ class NodeRelay:
         warn(f"refused an agent: {reason}")
         try:
             await asyncio.wait_for(stream.send(wm.refuse(reason)), 1.0)
-        except (OSError, ConnectionError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, ConnectionError):
             pass
         return None
 

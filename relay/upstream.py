@@ -227,7 +227,7 @@ class Upstream:
         while True:
             try:
                 await self._connect_and_stream()
-            except (OSError, ConnectionError, ProtocolError, asyncio.TimeoutError, EOFError) as exc:
+            except (TimeoutError, OSError, ConnectionError, ProtocolError, EOFError) as exc:
                 where = f"; buffering, then spooling under {self.spool.directory}" if self.spool else ""
                 self._warn_once(
                     "unreachable",
@@ -304,7 +304,7 @@ class Upstream:
         if stream is not None and self.connected:
             try:
                 await asyncio.wait_for(stream.send(wm.bye()), 0.5)
-            except (OSError, ConnectionError, asyncio.TimeoutError):
+            except (TimeoutError, OSError, ConnectionError):
                 pass
 
     def close(self) -> None:

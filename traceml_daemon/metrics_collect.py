@@ -48,7 +48,8 @@ class _DbState:
     nodes: list[NodeMetrics] = field(default_factory=list)
     verdicts: list[VerdictMetric] = field(default_factory=list)
     relay: dict[str, int] = field(default_factory=dict)
-    rows_dropped_reported: int = 0  # agents' own drop counters, summed
+    rows_dropped_reported: int = 0  # rows agents reported lost, summed
+    batches_dropped_reported: int = 0  # batches agents and relays reported lost, summed
 
 
 def _label(value: int | None) -> str:
@@ -146,6 +147,8 @@ def read_db_state(db_path: str, live_rank_ids: set[int]) -> _DbState:
                 state.relay[name.removeprefix("relay_")] = value
             elif name == "rows_dropped_reported":
                 state.rows_dropped_reported = value
+            elif name == "batches_dropped_reported":
+                state.batches_dropped_reported = value
     finally:
         conn.close()
     return state
@@ -209,7 +212,11 @@ class MetricsCollector:
             ranks=_rank_metrics(ranks, db.identity),
             nodes=db.nodes,
             verdicts=db.verdicts,
-            delivery={**self.counters.as_dict(), "rows_dropped_reported": db.rows_dropped_reported},
+            delivery={
+                **self.counters.as_dict(),
+                "rows_dropped_reported": db.rows_dropped_reported,
+                "batches_dropped_reported": db.batches_dropped_reported,
+            },
             relay=db.relay,
         )
 

@@ -7,10 +7,14 @@ import json
 import logging
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from traceml_daemon.analysis.model import PHASES, RankData, RunData
+from traceml_daemon.analysis.engine import diagnose
+from traceml_daemon.analysis.model import PHASES, RankData, RunData, Verdict
+from traceml_daemon.analysis.nodes import node_views, skews
+from traceml_daemon.analysis.report import format_verdicts
 from traceml_daemon.store import reader
 
 log = logging.getLogger("traceml_daemon.summary")
@@ -28,15 +32,17 @@ def _max(values: Sequence[int | None]) -> int | None:
 
 def _verdicts(run: RunData) -> list[dict[str, Any]]:
     try:
-        from traceml_daemon.analysis.engine import diagnose
-    except ImportError:
-        return []
-    try:
         return [v.to_json() for v in diagnose(run)]
     except Exception:
         # A diagnosis bug must not cost the user their summary.
         log.exception("diagnosis failed; summary has no verdicts")
         return []
+
+
+def _is_live(run: RunData) -> bool:
+    """A run is live while some rank has not reported that it finished: then the
+    liveness checks (RANK_STALLED, HANG) apply, against the current wall clock."""
+    return any(r.status is not None and not r.status.finished for r in run.ranks)
 
 
 def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any]:
@@ -56,29 +62,6 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
         "phases_ms_median": {p: _median_ms(data.phases_ns.get(p, [])) for p in PHASES},
         "memory": memory,
     }
-
-
-def _nodes(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_node: dict[int | None, list[dict[str, Any]]] = {}
-    for rank in ranks:
-        by_node.setdefault(rank["node_rank"], []).append(rank)
-    out = []
-    for node_rank in sorted(by_node, key=lambda n: (n is None, n or 0)):
-        members = by_node[node_rank]
-        timed = [r for r in members if r["step_ms_median"] is not None]
-        worst = max(timed, key=lambda r: r["step_ms_median"]) if timed else None
-        hostnames = sorted({r["hostname"] for r in members if r["hostname"]})
-        out.append(
-            {
-                "node_rank": node_rank,
-                "hostname": hostnames[0] if len(hostnames) == 1 else ",".join(hostnames) or None,
-                "ranks": [r["global_rank"] for r in members],
-                "step_ms_median": round(statistics.median(r["step_ms_median"] for r in timed), 3) if timed else None,
-                "worst_rank": worst["global_rank"] if worst else None,
-                "worst_rank_step_ms": worst["step_ms_median"] if worst else None,
-            }
-        )
-    return out
 
 
 def build_summary(db_path: str) -> dict[str, Any]:
@@ -104,6 +87,8 @@ def build_summary(db_path: str) -> dict[str, Any]:
             return summary
         rows = reader.load_ranks(conn, run_ref)
         run = reader.load_run(conn, run_ref)
+        if _is_live(run):
+            run.live, run.now = True, time.time()
         ranks = [_rank_entry(conn, row, data) for row, data in zip(rows, run.ranks, strict=True)]
         started, ended = reader.run_bounds(conn, run_ref)
         node_ranks = {r.node_rank for r in rows if r.node_rank is not None}
@@ -117,8 +102,10 @@ def build_summary(db_path: str) -> dict[str, Any]:
                 "parallelism": run.parallelism,
             },
             ranks=ranks,
-            nodes=_nodes(ranks),
+            nodes=node_views(run),
+            skew=skews(run),
             verdicts=_verdicts(run),
+            live=run.live,
         )
         return summary
     finally:
@@ -149,10 +136,16 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render_text(summary: dict[str, Any]) -> str:
+    """Primary verdict first (why, what to try next, evidence), then the tables."""
     topo = summary["topology"]
+    verdicts = [Verdict(**{k: v[k] for k in ("name", "severity", "scope", "why", "evidence", "next_step")})
+                for v in summary["verdicts"]]
     lines = [
-        f"TraceML summary  session {summary['session']}  attempt {summary.get('attempt')}",
+        f"TraceML summary  session {summary['session']}  attempt {summary.get('attempt')}"
+        + ("  (run in progress)" if summary.get("live") else ""),
         f"topology: {topo['nnodes']} node(s) x world size {topo['world_size']}, {topo['parallelism']}",
+        "",
+        format_verdicts(verdicts),
         "",
         "Ranks (medians over all steps, ms)",
     ]
@@ -172,29 +165,28 @@ def render_text(summary: dict[str, Any]) -> str:
         for r in summary["ranks"]
     ]
     lines += _table(headers, rows)
-    lines += ["", "Nodes"]
+    lines += ["", "Nodes (worst rank = most busy time: step minus all-reduce wait)"]
     lines += _table(
-        ["node", "host", "ranks", "step ms", "worst rank", "worst ms"],
+        ["node", "host", "ranks", "step ms", "busy ms", "worst rank", "worst busy ms"],
         [
             [
                 _fmt(n["node_rank"]),
                 _fmt(n["hostname"]),
                 ",".join(str(r) for r in n["ranks"]),
                 _fmt(n["step_ms_median"]),
-                _fmt(n["worst_rank"]),
-                _fmt(n["worst_rank_step_ms"]),
+                _fmt(n["busy_ms_median"]),
+                _fmt(n["worst_rank"]["global_rank"]),
+                _fmt(n["worst_rank"]["busy_ms_median"]),
             ]
             for n in summary["nodes"]
         ],
     )
-    lines += ["", "Verdicts"]
-    if not summary["verdicts"]:
-        lines.append("  none")
-    for v in summary["verdicts"]:
-        scope = ", ".join(f"{k}={val}" for k, val in v.get("scope", {}).items()) or "run"
-        lines.append(f"  [{v['severity']}] {v['name']} ({scope}): {v['why']}")
-        if v.get("next_step"):
-            lines.append(f"      next: {v['next_step']}")
+    skew = summary.get("skew") or {}
+    if skew.get("global_skew_ms") is not None:
+        lines.append(
+            f"skew: ranks {_fmt(skew['global_skew_ms'])} ms ({_fmt(skew['global_skew_pct'])}%), "
+            f"busy {_fmt(skew.get('busy_skew_ms'))} ms, nodes {_fmt(skew.get('node_skew_ms'))} ms"
+        )
     lines += ["", "Delivery"]
     lines += [f"  {k}: {v}" for k, v in summary["delivery"].items()]
     return "\n".join(lines) + "\n"

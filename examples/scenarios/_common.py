@@ -33,7 +33,8 @@ class Scenario:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=512, help="MLP width: enough compute that DDP's all-reduce is minor")
     p.add_argument("--ms", type=float, default=30.0, help="size of the injected delay, ms")
     return p.parse_args()
 
@@ -67,7 +68,8 @@ def run(scenario: Scenario) -> None:
     rank = dist.get_rank() if distributed else 0
     agent.init()
     torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    h = args.hidden
+    model: nn.Module = nn.Sequential(nn.Linear(64, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 1))
     step_box = [0]
     delay = scenario.backward_delay_s
     first = model[0]

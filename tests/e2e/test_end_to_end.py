@@ -28,6 +28,7 @@ def test_ddp_job_lands_every_step_with_identity_and_phases(real_run_db: Path) ->
     assert ranks[1]["phases_ms_median"]["dataloader"] > 5 * ranks[0]["phases_ms_median"]["dataloader"]
     assert s["delivery"]["duplicates_discarded"] == 0
     assert s["delivery"]["rows_dropped_reported"] == 0
+    assert s["delivery"]["batches_dropped_reported"] == 0
 
 
 def test_job_finishes_cleanly_when_daemon_is_down(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ def _assert_exact(s: dict, ranks: int, steps: int) -> None:
     assert all(r["steps"] == steps for r in s["ranks"]), [(r["global_rank"], r["steps"]) for r in s["ranks"]]
     assert all(r["first_step"] == 0 and r["last_step"] == steps - 1 for r in s["ranks"])
     assert s["delivery"]["rows_dropped_reported"] == 0, s["delivery"]
+    assert s["delivery"]["batches_dropped_reported"] == 0, s["delivery"]
 
 
 def test_daemon_kill9_mid_run_then_restart_loses_and_duplicates_nothing(tmp_path: Path) -> None:

@@ -26,10 +26,10 @@ STEPS = 60
 SERIOUS = ("warn", "critical")
 
 
-def _run(name: str, tmp_path: Path, steps: int = STEPS, ms: float = 30.0) -> dict[str, Any]:
+def _run(name: str, tmp_path: Path, steps: int = STEPS, ms: float = 30.0, **env_extra: str) -> dict[str, Any]:
     db = tmp_path / f"{name}.db"
     with DaemonProcess(db) as daemon:
-        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()))
+        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()), **env_extra)
         done = torchrun(SCENARIOS / f"{name}.py", ["--steps", str(steps), "--ms", str(ms)], nproc=2, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         return wait_for_steps(db, ranks=2, steps=steps)
@@ -79,7 +79,8 @@ def test_backward_straggler_found_although_allreduce_equalizes_steps(tmp_path: P
 
 
 def test_memory_creep(tmp_path: Path) -> None:
-    s = _run("memory_creep", tmp_path)
+    # RSS is sampled at every flush: flush often so a short run has a series to judge
+    s = _run("memory_creep", tmp_path, steps=150, TRACEML_FLUSH_S="0.2")
     assert _names(s) & {"CREEP_EARLY", "CREEP_CONFIRMED"}, s["verdicts"]
 
 

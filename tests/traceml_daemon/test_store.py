@@ -95,8 +95,9 @@ def test_node_identity_comes_from_the_agent_before_the_relay(tmp_path: Path) -> 
 
 def test_relay_stats_and_agent_drops_are_delivery_counters(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
-    drops = encode_body({"drops": {"ts": [1.0, 1.0], "source": ["recorder", "sender"], "count": [5, 2]}})
-    older = encode_body({"drops": {"ts": [0.5], "source": ["recorder"], "count": [3]}})
+    drops = encode_body({"drops": {"ts": [1.0, 1.0, 1.0], "source": ["recorder_rows", "sender_batches", "agent_errors"],
+                                   "count": [5, 2, 9]}})
+    older = encode_body({"drops": {"ts": [0.5], "source": ["recorder_rows"], "count": [3]}})
     asyncio.run(
         write_all(
             db,
@@ -105,7 +106,9 @@ def test_relay_stats_and_agent_drops_are_delivery_counters(tmp_path: Path) -> No
         )
     )
     counters = reader.delivery_counters(reader.open_readonly(str(db)))
-    assert counters["rows_dropped_reported"] == 7
+    assert counters["rows_dropped_reported"] == 5  # errors are not lost rows
+    assert counters["batches_dropped_reported"] == 2 + 4  # the agent's resend buffer + the relay
+    assert counters["agent_agent_errors"] == 9
     assert counters["relay_dropped_batches"] == 4
 
 

@@ -54,7 +54,8 @@ def test_summary_json_has_the_documented_keys(tmp_path: Path) -> None:
     assert (r3["first_step"], r3["last_step"], r3["step_ms_median"]) == (0, 19, 40.0)
     assert set(r3["phases_ms_median"]) == {"dataloader", "h2d", "forward", "backward", "optimizer", "wait"}
     assert r3["memory"]["rss_bytes"] == 1 << 30 and r3["memory"]["peak_bytes"] is None
-    assert [(n["node_rank"], n["ranks"], n["worst_rank"]) for n in out["nodes"]] == [(0, [0, 1], 0), (1, [2, 3], 3)]
+    assert [(n["node_rank"], n["ranks"], n["worst_rank"]["global_rank"]) for n in out["nodes"]] == [
+        (0, [0, 1], 0), (1, [2, 3], 3)]
     assert isinstance(out["verdicts"], list)
     delivery = out["delivery"]
     assert delivery["rows_stored"] == 80 and delivery["duplicates_discarded"] == 0

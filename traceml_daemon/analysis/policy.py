@@ -63,7 +63,9 @@ class SystemPolicy:
 
 @dataclass(frozen=True)
 class LivenessPolicy:
-    stall_s: float = 60.0  # in one phase (or silent) this long: stalled
+    # In one phase (or silent) this long: stalled. Well under any collective
+    # timeout (NCCL/gloo default to minutes), so the evidence is still there.
+    stall_s: float = 15.0
     stall_step_factor: float = 20.0  # ... or this many median steps, whichever is longer
     max_rank_verdicts: int = 16
 

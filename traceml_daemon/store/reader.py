@@ -261,14 +261,24 @@ def delivery_raw(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
     return out
 
 
+# Agent counters that are lost rows (each unit one row or one step row) and
+# lost batches (each an unknown number of rows). Everything else an agent
+# reports (errors, fallbacks) is informative, summed under ``agent_<name>``.
+AGENT_ROW_DROPS = ("recorder_rows", "device_steps_dropped", "scalars_dropped")
+AGENT_BATCH_DROPS = ("sender_batches",)
+RELAY_BATCH_DROPS = ("dropped_batches",)
+
+
 def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
-    """Flat counters for the summary: the daemon's own, agents' drops summed,
-    relays' stats summed under ``relay_<counter>``."""
+    """Flat counters for the summary: the daemon's own; rows and batches that an
+    agent or relay reported lost; every other agent and relay counter summed
+    under ``agent_<counter>`` / ``relay_<counter>``."""
     raw = delivery_raw(conn)
     out: dict[str, int] = {
         "frames_received": 0,
         "rows_stored": 0,
         "rows_dropped_reported": 0,
+        "batches_dropped_reported": 0,
         "duplicates_discarded": 0,
         "oversize_frames": 0,
         "refused_peers": 0,
@@ -276,9 +286,14 @@ def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
     out.update(raw.get(DAEMON_SOURCE, {}))
     for source, counters in raw.items():
         if source.startswith(AGENT_PREFIX):
-            out["rows_dropped_reported"] += sum(counters.values())
+            prefix = "agent_"
+            out["rows_dropped_reported"] += sum(counters.get(k, 0) for k in AGENT_ROW_DROPS)
+            out["batches_dropped_reported"] += sum(counters.get(k, 0) for k in AGENT_BATCH_DROPS)
         elif source.startswith(RELAY_PREFIX):
-            for name, value in counters.items():
-                key = f"relay_{name}"
-                out[key] = out.get(key, 0) + value
+            prefix = "relay_"
+            out["batches_dropped_reported"] += sum(counters.get(k, 0) for k in RELAY_BATCH_DROPS)
+        else:
+            continue
+        for name, value in counters.items():
+            out[prefix + name] = out.get(prefix + name, 0) + value
     return out
