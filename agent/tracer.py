@@ -2,9 +2,19 @@
 
 ``trace_step(model)`` opens a ``StepRecord``; global patches (DataLoader
 ``__next__``, ``torch.autograd.backward``, optimizer step hooks, ``Tensor.to``
-on CUDA) and two forward hooks on the traced model fill it; at step exit one
-``steps`` row goes to the recorder (CPU) or the record waits in a queue until
-its device events complete and ``poll()`` (sender thread) resolves it.
+on CUDA) and two forward hooks on the traced model fill it. At step exit the
+record is only queued: ``poll()`` (sender thread, about once a second) turns
+it into a ``steps`` row, at once on CPU, on GPU once its device events
+completed. Building the row (a 14-key dict, the wait arithmetic, the
+recorder's byte accounting) thus costs the training thread nothing.
+
+Hot-path budget: the training thread pays, per step, the context's enter and
+exit, two forward hooks, the backward wrapper, two optimizer hooks and the
+DataLoader patch. Inside a real step all of that runs with cold caches (the
+step's own torch work evicts it), where every bytecode, call and touched
+object costs several times its hot-loop price; so the hooks do their work
+inline (no call into a Tracer method on CPU), and nothing scales with the
+number of submodules.
 
 Thread model: the training thread owns every ``StepRecord`` while it runs;
 ``poll()`` only touches records already handed over through a deque (append
@@ -29,7 +39,7 @@ from agent.capture.deep_dive import DeepDive
 from agent.capture.events import EventBackend, default_backend
 from agent.capture.guard import ErrorGate
 from agent.capture.memory import read_rss
-from agent.capture.model import ModelState, describe, hook_forward, leaf_modules
+from agent.capture.model import ModelInfo, ModelState, describe, hook_forward, leaf_modules
 from agent.capture.record import (
     BACKWARD,
     COMM,
@@ -37,10 +47,7 @@ from agent.capture.record import (
     H2D,
     IDLE,
     OPTIMIZER,
-    PH_BACKWARD,
-    PH_FORWARD,
     PH_H2D,
-    PH_OPTIMIZER,
     PH_WAIT,
     StepRecord,
     derive_wait,
@@ -50,6 +57,9 @@ from agent.recorder import Recorder
 _AUTO: Any = object()
 # Device triple slot for copies made before the step entered (outside its event window).
 _H2D_OUT = 6
+# Finished steps waiting for poll(): bounded (a record is a few hundred bytes) so a sender
+# thread that never polls cannot grow memory; overflow drops the oldest and counts it.
+MAX_PENDING_STEPS = 16384
 
 
 class _NullContext:
@@ -67,30 +77,90 @@ class _NullContext:
 _NULL = _NullContext()
 
 
-class _StepContext:
-    """One per model, reused every step (no allocation to open a step)."""
+class _StepContext(ModelState):
+    """A model's state that is also its step context: one per model, reused every step.
 
-    __slots__ = ("_tracer", "_state")
+    Nothing is allocated to open a step but the record, and the enter/exit
+    logic lives here rather than in Tracer methods: one call level and one
+    object less on the hottest path. Errors never escape (they are counted by
+    the tracer's gate) and ``__exit__`` returns False, so the user's own
+    exception always propagates unchanged.
+    """
 
-    def __init__(self, tracer: Tracer, state: ModelState) -> None:
+    __slots__ = ("_tracer", "_perf")
+
+    def __init__(self, tracer: Tracer, model_id: int, model: torch.nn.Module | None, info: ModelInfo) -> None:
+        super().__init__(model_id, model, info)
         self._tracer = tracer
-        self._state = state
+        self._perf = tracer._perf
+        self.ctx = self
 
     def __enter__(self) -> None:
         try:
-            self._tracer._enter(self._state)
+            state = self
+            if state.current is not None:  # same model re-entered: the outer step owns it
+                state.nest += 1
+                return
+            tracer = self._tracer
+            t = self._perf()
+            rec = StepRecord(state.model_id, state.steps, t)
+            if tracer._fetches:
+                tracer._take_fetch(rec)
+            elif tracer._any_fetch:
+                rec.has_dl = True
+            if tracer._h2d_out:
+                rec.h2d_out = tracer._h2d_out
+                tracer._h2d_out = 0
+            if tracer._backend is not None:
+                tracer._enter_device(rec)
+            if state.leaves is not None and state.steps % tracer._deep_every == 0:
+                tracer._start_deep(rec, state)
+            rec.prev = tracer._active
+            tracer._active = rec
+            state.current = rec
+            tracer._status = (PH_WAIT, t, rec.step)
         except Exception as exc:
             self._tracer._gate.fail("step_enter", exc)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         try:
-            self._tracer._exit(self._state, exc_type is not None)
+            state = self
+            if state.nest:
+                state.nest -= 1
+                return False
+            rec = state.current
+            if rec is None:
+                return False
+            tracer = self._tracer
+            state.current = None
+            t = self._perf()
+            rec.t_exit = t
+            prev = rec.prev
+            rec.prev = None  # queued records must not keep a chain of older ones alive
+            tracer._active = prev
+            if tracer._backend is not None:
+                tracer._exit_device(rec)
+            tracer._status = (IDLE if prev is None else PH_WAIT, t, rec.step)
+            if rec.deep is not None or exc_type is not None:
+                tracer._finish_rare(rec, state, t, exc_type is not None)
+                return False
+            state.steps += 1
+            tracer._steps_done += 1
+            tracer._last_step = rec.step
+            pending = tracer._pending
+            if len(pending) >= MAX_PENDING_STEPS and tracer._backend is None:
+                tracer._drop_oldest()
+            pending.append(rec)
         except Exception as err:
             self._tracer._gate.fail("step_exit", err)
         return False  # never swallow the user's exception
 
 
 class Tracer:
+    # trace_step() and span() return contexts that catch their own errors and return
+    # False from __exit__: the runtime hands them to user code without a Guarded wrapper.
+    FAIL_OPEN_CONTEXTS = True
+
     def __init__(
         self,
         recorder: Recorder,
@@ -138,6 +208,7 @@ class Tracer:
         self._installed = False
         self.device_steps_dropped = 0  # steps whose events timed out: host timings used
         self.device_steps_fallback = 0  # steps that lost an event (pool exhausted): host timings used
+        self.steps_dropped = 0  # CPU steps dropped because nothing polled for MAX_PENDING_STEPS steps
 
     # ------------------------------------------------------------------ install
 
@@ -174,8 +245,11 @@ class Tracer:
 
     def trace_step(self, model: torch.nn.Module | None = None) -> Any:
         try:
-            state = self._model_state(model)
-            return state.ctx
+            # Every step after the model's first: one dict lookup and one weakref call.
+            state = self._models.get(id(model))
+            if state is not None and state.ref() is model:
+                return state.ctx
+            return self._model_state(model).ctx
         except Exception as exc:
             self._gate.fail("trace_step", exc)
             return _NULL
@@ -274,6 +348,7 @@ class Tracer:
             "tracer_errors": self._gate.total(),
             "device_steps_dropped": self.device_steps_dropped,
             "device_steps_fallback": self.device_steps_fallback,
+            "steps_dropped": self.steps_dropped,
             "scalars_dropped": self._scalars.dropped,
         }
         if self._backend is not None:
@@ -300,9 +375,8 @@ class Tracer:
         if not self._installed:
             self.install()
         info = describe(model)
-        state = ModelState(self._next_model_id, model, info)
+        state = _StepContext(self, self._next_model_id, model, info)
         self._next_model_id += 1
-        state.ctx = _StepContext(self, state)
         if model is not None:
             state.handles = hook_forward(model, self)
             if info.parallelism == "ddp":
@@ -322,72 +396,55 @@ class Tracer:
         self._emit("models", info.row(state.model_id))
         return state
 
-    # -------------------------------------------------------------- step enter/exit
+    # ------------------------------------------- step enter/exit: the rarer branches
 
-    def _enter(self, state: ModelState) -> None:
-        if state.current is not None:  # same model re-entered: the outer step owns it
-            state.nest += 1
-            return
-        t = self._perf()
-        rec = StepRecord(state.model_id, state.steps, t)
+    def _take_fetch(self, rec: StepRecord) -> None:
+        """Charge the DataLoader wait that preceded this step (fetches made since the last enter)."""
         fetches = self._fetches
-        if fetches:
-            # Prefer the loader that fed the previous step: a validation loader
-            # iterated in between must not be charged to training.
-            pick = fetches.get(self._fed_by) if self._fed_by is not None else None
-            if pick is None:
-                key = max(fetches, key=lambda k: fetches[k][0])
-                pick = fetches[key]
-                self._fed_by = key
-            rec.dl_out = pick[1]
-            rec.has_dl = True
-            fetches.clear()
-        elif self._any_fetch:
-            rec.has_dl = True
-        if self._h2d_out:
-            rec.h2d_out = self._h2d_out
-            self._h2d_out = 0
-        backend = self._backend
-        if backend is not None:
-            rec.dev = self._h2d_out_dev
-            self._h2d_out_dev = []
-            backend.reset_peak()
-            rec.ev_enter = backend.mark()
-            if rec.ev_enter is None:
-                rec.dev_lost = True
-        if state.leaves is not None and state.steps % self._deep_every == 0:
-            try:
-                rec.deep = DeepDive(state.leaves, self._gate)
-            except Exception as exc:
-                self._gate.fail("deep_dive", exc)
-        rec.prev = self._active
-        self._active = rec
-        state.current = rec
-        self._status = (PH_WAIT, t, rec.step)
+        # Prefer the loader that fed the previous step: a validation loader
+        # iterated in between must not be charged to training.
+        pick = fetches.get(self._fed_by) if self._fed_by is not None else None
+        if pick is None:
+            key = max(fetches, key=lambda k: fetches[k][0])
+            pick = fetches[key]
+            self._fed_by = key
+        rec.dl_out = pick[1]
+        rec.has_dl = True
+        fetches.clear()
 
-    def _exit(self, state: ModelState, failed: bool) -> None:
-        if state.nest:
-            state.nest -= 1
-            return
-        rec = state.current
-        if rec is None:
-            return
-        state.current = None
-        t = self._perf()
-        rec.t_exit = t
-        self._active = rec.prev
+    def _enter_device(self, rec: StepRecord) -> None:
         backend = self._backend
-        if backend is not None:
-            rec.ev_exit = backend.mark()
-            if rec.ev_exit is None:
-                rec.dev_lost = True
-            rec.peak_bytes, rec.reserved_bytes = backend.memory()
-        self._status = (IDLE if rec.prev is None else PH_WAIT, t, rec.step)
+        assert backend is not None
+        rec.init_device()
+        rec.dev = self._h2d_out_dev
+        self._h2d_out_dev = []
+        backend.reset_peak()
+        rec.ev_enter = backend.mark()
+        if rec.ev_enter is None:
+            rec.dev_lost = True
+
+    def _exit_device(self, rec: StepRecord) -> None:
+        backend = self._backend
+        assert backend is not None
+        rec.ev_exit = backend.mark()
+        if rec.ev_exit is None:
+            rec.dev_lost = True
+        rec.peak_bytes, rec.reserved_bytes = backend.memory()
+
+    def _start_deep(self, rec: StepRecord, state: ModelState) -> None:
+        try:
+            rec.deep = DeepDive(state.leaves or [], self._gate)
+        except Exception as exc:
+            self._gate.fail("deep_dive", exc)
+
+    def _finish_rare(self, rec: StepRecord, state: ModelState, t: int, failed: bool) -> None:
+        """Step exit with a deep dive to close or a user exception: off the common path."""
         deep = rec.deep
         if deep is not None:
             rec.deep = None
             deep.detach()
         if failed:  # the user's step raised: no row and no step number used
+            backend = self._backend
             if backend is not None:
                 for ev in self._events(rec):
                     backend.release(ev)
@@ -395,101 +452,26 @@ class Tracer:
         state.steps += 1
         self._steps_done += 1
         self._last_step = rec.step
-        if backend is None:
-            self._emit("steps", self._host_row(rec))
-        else:
-            self._pending.append(rec)
+        if len(self._pending) >= MAX_PENDING_STEPS and self._backend is None:
+            self._drop_oldest()
+        self._pending.append(rec)
         if deep is not None:
-            for row in deep.rows(rec.step, rec.bwd_end or t):
+            for row in deep.rows(rec.step, getattr(rec, "bwd_end", 0) or t):
                 self._emit("layers", row)
 
+    def _drop_oldest(self) -> None:
+        # CPU records only: poll() pops before it reads (see _resolve_pending), so
+        # this popleft cannot race it into emitting one record twice.
+        try:
+            self._pending.popleft()
+            self.steps_dropped += 1
+        except IndexError:
+            pass
+
     # --------------------------------------------------------- phase callbacks
-
-    def _fwd_pre(self, rec: StepRecord) -> None:
-        try:
-            rec.fwd_depth += 1
-            if rec.fwd_depth == 1:
-                t = self._perf()
-                rec.fwd_t0 = t
-                if self._backend is not None:
-                    rec.fwd_ev0 = self._backend.mark()
-                self._status = (PH_FORWARD, t, rec.step)
-        except Exception as exc:
-            self._gate.fail("forward", exc)
-
-    def _fwd_post(self, rec: StepRecord) -> None:
-        try:
-            if rec.fwd_depth <= 0:
-                return
-            rec.fwd_depth -= 1
-            if rec.fwd_depth == 0:
-                t = self._perf()
-                rec.fwd += t - rec.fwd_t0
-                if self._backend is not None:
-                    self._dev_pair(rec, FORWARD, rec.fwd_ev0)
-                    rec.fwd_ev0 = None
-                self._status = (PH_WAIT, t, rec.step)
-        except Exception as exc:
-            self._gate.fail("forward", exc)
-
-    def _bwd_begin(self, rec: StepRecord) -> None:
-        try:
-            rec.bwd_depth += 1
-            if rec.bwd_depth == 1:
-                t = self._perf()
-                rec.bwd_end = t  # reused as the start until _bwd_end
-                if self._backend is not None:
-                    rec.bwd_ev0 = self._backend.mark()
-                self._status = (PH_BACKWARD, t, rec.step)
-        except Exception as exc:
-            self._gate.fail("backward", exc)
-
-    def _bwd_end(self, rec: StepRecord) -> None:
-        try:
-            if rec.bwd_depth <= 0:
-                return
-            rec.bwd_depth -= 1
-            if rec.bwd_depth == 0:
-                t = self._perf()
-                rec.bwd += t - rec.bwd_end
-                rec.bwd_end = t
-                if self._backend is not None:
-                    self._dev_pair(rec, BACKWARD, rec.bwd_ev0)
-                    rec.bwd_ev0 = None
-                self._status = (PH_WAIT, t, rec.step)
-        except Exception as exc:
-            self._gate.fail("backward", exc)
-
-    def _opt_pre(self, rec: StepRecord) -> None:
-        try:
-            # A subclass whose step() calls super().step() fires the global hooks twice, nested.
-            rec.opt_depth += 1
-            if rec.opt_depth > 1:
-                return
-            t = self._perf()
-            rec.opt_t0 = t
-            if self._backend is not None:
-                rec.opt_ev0 = self._backend.mark()
-            self._status = (PH_OPTIMIZER, t, rec.step)
-        except Exception as exc:
-            self._gate.fail("optimizer", exc)
-
-    def _opt_post(self, rec: StepRecord) -> None:
-        try:
-            if rec.opt_depth <= 0:
-                return
-            rec.opt_depth -= 1
-            if rec.opt_depth or not rec.opt_t0:
-                return
-            t = self._perf()
-            rec.opt += t - rec.opt_t0
-            rec.opt_t0 = 0
-            if self._backend is not None:
-                self._dev_pair(rec, OPTIMIZER, rec.opt_ev0)
-                rec.opt_ev0 = None
-            self._status = (PH_WAIT, t, rec.step)
-        except Exception as exc:
-            self._gate.fail("optimizer", exc)
+    # Forward, backward, optimizer and DataLoader timing are inlined in the
+    # capture modules' hooks (agent.capture.*); what stays here is device-only
+    # or per-bucket work, where a method call is not the cost that matters.
 
     def _h2d_begin(self) -> tuple[int, Any, tuple[str, int, int | None]]:
         try:
@@ -555,18 +537,6 @@ class Tracer:
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
 
-    def _on_fetch(self, iterator: Any, ns: int, t: int) -> None:
-        self._any_fetch = True
-        rec = self._active
-        if rec is not None:  # fetched inside the step: already within step time
-            rec.dl_in += ns
-            rec.has_dl = True
-            self._status = (PH_WAIT, t, rec.step)
-            return
-        self._fetch_seq += 1
-        self._fetches[id(getattr(iterator, "_dataset", iterator))] = (self._fetch_seq, ns)
-        self._status = (IDLE, t, self._status[2])
-
     def _dev_pair(self, rec: StepRecord, slot: int, ev0: Any) -> None:
         backend = self._backend
         assert backend is not None
@@ -608,8 +578,9 @@ class Tracer:
             "optimizer_ns": opt,
             "wait_ns": wait,
             "comm_ns": comm_ns,
-            "peak_bytes": rec.peak_bytes,
-            "reserved_bytes": rec.reserved_bytes,
+            # Set on the device path only (StepRecord.init_device).
+            "peak_bytes": getattr(rec, "peak_bytes", None),
+            "reserved_bytes": getattr(rec, "reserved_bytes", None),
             "rss_bytes": self._rss,
             "model_id": rec.model_id,
         }
@@ -626,7 +597,14 @@ class Tracer:
         backend = self._backend
         pending = self._pending
         if backend is None:
-            return
+            # Host timings are final at exit. Pop before reading: the training thread may
+            # drop the oldest record concurrently when the queue is full (deque ops are atomic).
+            while True:
+                try:
+                    rec = pending.popleft()
+                except IndexError:
+                    return
+                self._emit("steps", self._host_row(rec))
         now = self._perf()
         while pending:
             rec = pending[0]

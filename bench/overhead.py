@@ -1,9 +1,13 @@
-"""Training-thread cost of ``Tracer.trace_step`` + automatic phase capture (CPU).
+"""Training-thread cost of ``agent.trace_step`` + automatic phase capture (CPU).
 
-Three modes run interleaved block by block in one process, so a noisy
+Four modes run interleaved block by block in one process, so a noisy
 machine hits all of them alike: ``none`` (no instrumentation installed),
-``tracer`` (installed Tracer, deep dive off) and ``profiler``
-(torch.profiler, CPU activity). A step is a real forward/backward/SGD step of
+``tracer`` (an installed Tracer called directly, deep dive off), ``public``
+(the user's path: ``agent.init()`` once, then ``with agent.trace_step(model)``;
+no daemon or relay listens, as for a job whose daemon is down) and
+``profiler`` (torch.profiler, CPU activity). The runtime's tracer is only
+installed during ``public`` blocks, so its patches never sit in the other
+modes' way; its sender thread runs throughout, for every mode alike. A step is a real forward/backward/SGD step of
 a Sequential of N modules with one DataLoader fetch, padded to the target
 step time with a FIXED spin: the loop count is calibrated once per
 configuration on the uninstrumented step and then reused unchanged by every
@@ -33,16 +37,19 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import agent
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 
-MODES_ALL = ("none", "tracer", "profiler")
+MODES_ALL = ("none", "tracer", "public", "profiler")
+TraceFn = Callable[[torch.nn.Module], AbstractContextManager[Any]]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -120,15 +127,15 @@ class Workload:
         self.opt.zero_grad(set_to_none=True)
         spin(self.pad)
 
-    def run(self, steps: int, tracer: Tracer | None) -> list[int]:
+    def run(self, steps: int, trace: TraceFn | None) -> list[int]:
         perf = time.perf_counter_ns
         model = self.model
         times: list[int] = []
         for _ in range(steps):
             t0 = perf()
             x = self._next()
-            if tracer is not None:
-                with tracer.trace_step(model):
+            if trace is not None:
+                with trace(model):
                     self._body(x)
             else:
                 self._body(x)
@@ -136,13 +143,45 @@ class Workload:
         return times
 
 
+def start_public() -> None:
+    """``agent.init()`` as a training script calls it, with no daemon and no relay.
+
+    The ports are unused ones (this run must not talk to a daemon another job
+    started) and the in-process relay is off; the sender thread retries in the
+    background like it would for a job whose daemon is down. The runtime's
+    tracer is then uninstalled until a ``public`` block needs it.
+    """
+    os.environ["TRACEML_DAEMON"] = f"127.0.0.1:{_free_port()}"
+    os.environ["TRACEML_RELAY_PORT"] = str(_free_port())
+    os.environ["TRACEML_NO_RELAY"] = "1"
+    for var in ("TRACEML_DISABLE", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    agent.init()
+    _public_tracer().uninstall()
+
+
+def _public_tracer() -> Any:
+    from agent import runtime
+
+    rt = runtime.current
+    if rt is None or rt.tracer is None:
+        raise RuntimeError("agent.init() did not start a tracer")
+    return rt.tracer
+
+
 def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup: int = 2) -> list[int]:
     """One block of ``steps`` timed steps in ``mode``; set-up and warm-up steps are not timed."""
-    tracer: Tracer | None = None
+    tracer: Any = None
+    trace: TraceFn | None = None
     prof: Any = None
     if mode == "tracer":
         tracer = Tracer(recorder, event_backend=None)
         tracer.install()
+        trace = tracer.trace_step
+    elif mode == "public":
+        tracer = _public_tracer()
+        tracer.install()
+        trace = agent.trace_step
     elif mode == "profiler":
         # Its stop processes every recorded op (seconds for deep models): fewer steps keep
         # the run short, and medians over equal-length blocks are not needed to compare.
@@ -152,11 +191,13 @@ def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup:
             prof.__enter__()
     try:
         # The first traced step describes the model and registers its hooks (once per model).
-        work.run(warmup, tracer)
-        return work.run(steps, tracer)
+        work.run(warmup, trace)
+        return work.run(steps, trace)
     finally:
         if tracer is not None:
             tracer.uninstall()
+            if mode == "tracer":
+                tracer.poll()  # rows are built here, on the sender thread in real use: not timed
         if prof is not None:
             with _QuietStderr():
                 prof.__exit__(None, None, None)
@@ -280,41 +321,57 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--long", action="store_true", help="more rounds and steps (several minutes)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     ap.add_argument("--no-profiler", action="store_true")
+    ap.add_argument("--no-public", action="store_true", help="skip the agent.init()/agent.trace_step mode")
     ap.add_argument("--no-launch", action="store_true")
+    ap.add_argument("--modules", default="4,64,512", help="model sizes (comma-separated module counts)")
+    ap.add_argument("--targets", default="0.3,2,20", help="padded step times in ms (0.3 gives the (a) figures)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rounds = 10 if args.long else (2 if args.quick else 6)
     budget_ms = 6000.0 if args.long else (800.0 if args.quick else 2000.0)  # timed ms per mode per config
-    modes = ["none", "tracer"] + ([] if args.no_profiler else ["profiler"])
+    modes = (["none", "tracer"] + ([] if args.no_public else ["public"])
+             + ([] if args.no_profiler else ["profiler"]))
+    if "public" in modes:
+        start_public()
     recorder = Recorder()
     rate = calibrate_spin()
-    print(f"spin calibration: {rate * 1e3:.1f} iterations/us; modes run interleaved, {rounds} rounds", flush=True)
-    results = [measure_config(n, ms, rate, rounds, budget_ms, modes, recorder)
-               for n in (4, 64, 512) for ms in (0.3, 2.0, 20.0)]
+    print(f"spin calibration: {rate * 1e3:.1f} iterations/us; modes {', '.join(modes)} run interleaved, "
+          f"{rounds} rounds", flush=True)
+    sizes = [int(n) for n in args.modules.split(",")]
+    targets = [float(ms) for ms in args.targets.split(",")]
+    results = [measure_config(n, ms, rate, rounds, budget_ms, modes, recorder) for n in sizes for ms in targets]
 
     # (a) training-thread cost: the shortest step is the least noisy place to read it.
-    hot = {str(r["n_modules"]): r for r in results if r["target_step_ms"] == 0.3}
-    cost_us = {k: r["tracer_cost_us"] for k, r in hot.items()}
-    flat = max(cost_us.values()) - min(cost_us.values())
-    for k, r in hot.items():
-        print(f"(a) tracer cost per step, {k:>3} modules: {r['tracer_cost_us']:+.2f}us "
-              f"[per-round {r['tracer_cost_us_min']:+.2f} .. {r['tracer_cost_us_max']:+.2f}] "
-              f"(baseline step {r['none_median_us']:.1f}us, with tracer {r['tracer_median_us']:.1f}us)", flush=True)
-    print(f"(a) spread 4 -> 512 modules: {flat:.2f}us", flush=True)
+    hot_ms = min(targets)
+    hot = {str(r["n_modules"]): r for r in results if r["target_step_ms"] == hot_ms}
+    figures: dict[str, Any] = {}
+    for mode in [m for m in ("tracer", "public") if m in modes]:
+        cost_us = {k: r[f"{mode}_cost_us"] for k, r in hot.items()}
+        flat = max(cost_us.values()) - min(cost_us.values())
+        figures[f"{mode}_cost_us"] = cost_us
+        figures[f"{mode}_cost_spread_us"] = flat
+        for k, r in hot.items():
+            print(f"(a) {mode} cost per step, {k:>3} modules: {r[f'{mode}_cost_us']:+.2f}us "
+                  f"[per-round {r[f'{mode}_cost_us_min']:+.2f} .. {r[f'{mode}_cost_us_max']:+.2f}] "
+                  f"(baseline step {r['none_median_us']:.1f}us, with {mode} {r[f'{mode}_median_us']:.1f}us)",
+                  flush=True)
+        print(f"(a) {mode} spread {min(sizes)} -> {max(sizes)} modules: {flat:.2f}us", flush=True)
     # (b) relative to the ~20 ms step.
     rel: dict[str, Any] = {}
+    hot_cost = figures["tracer_cost_us"]
     for r in results:
         if r["target_step_ms"] != 20.0:
             continue
         k = str(r["n_modules"])
-        rel[k] = {"measured_pct": r["tracer_pct"], "from_hot_pct": 100.0 * cost_us[k] / r["none_median_us"],
+        rel[k] = {"measured_pct": r["tracer_pct"], "from_hot_pct": 100.0 * hot_cost[k] / r["none_median_us"],
                   "step_us": r["none_median_us"]}
         print(f"(b) relative to the 20 ms step, {k:>3} modules: measured {r['tracer_pct']:+.4f}%, "
-              f"0.3 ms-step cost / 20 ms step {rel[k]['from_hot_pct']:+.4f}% "
+              f"{hot_ms} ms-step cost / 20 ms step {rel[k]['from_hot_pct']:+.4f}% "
               f"(baseline step {r['none_median_us'] / 1e3:.3f}ms)", flush=True)
     launch = {} if args.no_launch else measure_launch(3 if not args.long else 7)
-    print(json.dumps({"configs": results, "tracer_cost_us": cost_us, "tracer_cost_spread_us": flat,
-                      "relative_20ms": rel, **launch}))
+    if "public" in modes:
+        agent.shutdown()
+    print(json.dumps({"configs": results, **figures, "relative_20ms": rel, **launch}))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ as forward.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from agent.capture.record import FORWARD, PH_FORWARD, PH_WAIT
 
 
 class ModelInfo:
@@ -132,17 +135,50 @@ def hook_forward(model: torch.nn.Module, tracer: Any) -> list[Any]:
 
     A traced model called inside another model's step (GAN: D(G(z))) counts as
     forward of the active step; nesting is tracked so time is counted once.
+
+    The bodies are inlined (locals bound once here, no call into the Tracer on
+    CPU): any hook already sends ``nn.Module._call_impl`` down its slow path,
+    so the hooks themselves must add as little as possible. The event backend
+    is fixed for the Tracer's lifetime, hence bound here too.
     """
+    perf = time.perf_counter_ns
+    backend = tracer._backend
+    fail = tracer._gate.fail
 
     def pre(module: torch.nn.Module, args: Any) -> None:
         rec = tracer._active
-        if rec is not None:
-            tracer._fwd_pre(rec)
+        if rec is None:
+            return
+        try:
+            depth = rec.fwd_depth + 1
+            rec.fwd_depth = depth
+            if depth == 1:
+                t = perf()
+                rec.fwd_t0 = t
+                if backend is not None:
+                    rec.fwd_ev0 = backend.mark()
+                tracer._status = (PH_FORWARD, t, rec.step)
+        except Exception as exc:
+            fail("forward", exc)
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         rec = tracer._active
-        if rec is not None:
-            tracer._fwd_post(rec)
+        if rec is None:
+            return
+        try:
+            depth = rec.fwd_depth
+            if depth <= 0:  # entered before the step opened: nothing to close
+                return
+            rec.fwd_depth = depth - 1
+            if depth == 1:
+                t = perf()
+                rec.fwd += t - rec.fwd_t0
+                if backend is not None:
+                    tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
+                    rec.fwd_ev0 = None
+                tracer._status = (PH_WAIT, t, rec.step)
+        except Exception as exc:
+            fail("forward", exc)
 
     # prepend: run before wrapper hooks (FSDP2 all-gather) so they count as forward;
     # always_call: an exception in forward still closes the phase.

@@ -6,22 +6,58 @@ and ones wrapped by schedulers, without knowing about them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
+
+from agent.capture.record import OPTIMIZER, PH_OPTIMIZER, PH_WAIT
 
 
 def install(tracer: Any) -> Callable[[], None]:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    perf = time.perf_counter_ns
+    # Fixed for the Tracer's lifetime; on CPU the phase bookkeeping is inline (no calls).
+    backend = tracer._backend
+    fail = tracer._gate.fail
+
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         rec = tracer._active
-        if rec is not None:
-            tracer._opt_pre(rec)
+        if rec is None:
+            return
+        try:
+            # A subclass whose step() calls super().step() fires the global hooks twice, nested.
+            depth = rec.opt_depth + 1
+            rec.opt_depth = depth
+            if depth == 1:
+                t = perf()
+                rec.opt_t0 = t
+                if backend is not None:
+                    rec.opt_ev0 = backend.mark()
+                tracer._status = (PH_OPTIMIZER, t, rec.step)
+        except Exception as exc:
+            fail("optimizer", exc)
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         rec = tracer._active
-        if rec is not None:
-            tracer._opt_post(rec)
+        if rec is None:
+            return
+        try:
+            depth = rec.opt_depth
+            if depth <= 0:
+                return
+            rec.opt_depth = depth - 1
+            if depth > 1 or not rec.opt_t0:
+                return
+            t = perf()
+            rec.opt += t - rec.opt_t0
+            rec.opt_t0 = 0
+            if backend is not None:
+                tracer._dev_pair(rec, OPTIMIZER, rec.opt_ev0)
+                rec.opt_ev0 = None
+            tracer._status = (PH_WAIT, t, rec.step)
+        except Exception as exc:
+            fail("optimizer", exc)
 
     handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 

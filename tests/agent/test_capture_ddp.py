@@ -83,6 +83,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
             opt.zero_grad()
     same = all(torch.allclose(a, b) for a, b in zip(traced.module.inner.parameters(), plain.parameters(),
                                                        strict=True))
+    tracer.poll()  # finished steps become rows on the sender thread's poll
     tables = recorder.drain()
     result = {"tables": tables, "same_params": same, "parallelism": tracer.parallelism()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -118,6 +119,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
         hooks_after = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
         changed = [name for name in hooks_before if hooks_before[name] != hooks_after[name]]
         results[label] = {"full_bytes": full_bytes, "changed": changed}
+    tracer.poll()
     results["tables"] = recorder.drain()
     results["parallelism"] = tracer.parallelism()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))

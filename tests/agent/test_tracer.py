@@ -98,7 +98,8 @@ def tracer(recorder: Recorder) -> Iterator[Tracer]:
     SlowBackward.on_backward = None
 
 
-def steps_of(recorder: Recorder) -> list[dict[str, Any]]:
+def steps_of(tracer: Tracer, recorder: Recorder) -> list[dict[str, Any]]:
+    tracer.poll()  # the sender thread's job: finished steps become rows there
     table = recorder.drain().get("steps", {})
     n = len(table.get("step", []))
     return [{k: v[i] for k, v in table.items()} for i in range(n)]
@@ -114,7 +115,7 @@ def test_every_phase_is_attributed(tracer: Tracer, recorder: Recorder) -> None:
             opt.step()
             opt.zero_grad()
             time.sleep(0.015)  # unattributed work: the residual wait
-    rows = steps_of(recorder)
+    rows = steps_of(tracer, recorder)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["dataloader_ns"] >= 20 * MS
@@ -132,7 +133,7 @@ def test_backward_time_does_not_leak_into_forward(tracer: Tracer, recorder: Reco
     model = Net(bwd_sleep_s=0.08)
     with tracer.trace_step(model):
         model(torch.randn(2, 4)).sum().backward()
-    (row,) = steps_of(recorder)
+    (row,) = steps_of(tracer, recorder)
     assert row["backward_ns"] >= 80 * MS
     assert row["forward_ns"] < 80 * MS
     assert row["dataloader_ns"] is None  # no DataLoader in this process run: not measured
@@ -151,7 +152,7 @@ def test_validation_loader_between_steps_does_not_leak(tracer: Tracer, recorder:
         if i == 0:  # and validation after a step, before the next training fetch
             for vb in val:
                 model(vb)
-    rows = steps_of(recorder)
+    rows = steps_of(tracer, recorder)
     assert len(rows) == 4
     for r in rows:
         assert r["dataloader_ns"] is not None
@@ -172,6 +173,7 @@ def test_two_models_have_their_own_steps(tracer: Tracer, recorder: Recorder) -> 
         with tracer.trace_step(gen):
             disc(gen(z).expand(2, 4)).sum().backward()
             opt_g.step()
+    tracer.poll()
     tables = recorder.drain()
     models = tables["models"]
     assert models["model_id"] == [0, 1]
@@ -195,7 +197,7 @@ def test_dataloader_with_forked_workers(tracer: Tracer, recorder: Recorder) -> N
     for batch in loader:
         with tracer.trace_step(model):
             model(batch).sum().backward()
-    rows = steps_of(recorder)
+    rows = steps_of(tracer, recorder)
     assert len(rows) == 4
     # The first batch needs two 30 ms items from a freshly forked worker.
     assert rows[0]["dataloader_ns"] >= 30 * MS
@@ -286,7 +288,7 @@ def test_failed_step_emits_no_row_and_does_not_swallow(tracer: Tracer, recorder:
         raise ValueError("user bug")
     with tracer.trace_step(model):
         model(torch.randn(2, 4))
-    rows = steps_of(recorder)
+    rows = steps_of(tracer, recorder)
     assert [r["step"] for r in rows] == [0]
 
 
@@ -400,3 +402,48 @@ def test_tracer_counters_reach_the_drops_rows(recorder: Recorder) -> None:
     assert got["tracer_errors"] == 1 and got["scalars_dropped"] == 3
     assert {"device_steps_dropped", "device_steps_fallback", "recorder_rows"} <= set(got)
     assert all(isinstance(v, int) for v in got.values())  # the daemon stores int counts only
+
+
+def test_finished_steps_become_rows_on_poll_and_the_queue_is_bounded(
+    tracer: Tracer, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agent.tracer as tracer_mod
+
+    monkeypatch.setattr(tracer_mod, "MAX_PENDING_STEPS", 3)
+    model = Net()
+    for _ in range(5):
+        with tracer.trace_step(model):
+            model(torch.randn(2, 4))
+    assert "steps" not in recorder.drain()  # the training thread built no row
+    rows = steps_of(tracer, recorder)
+    assert [r["step"] for r in rows] == [2, 3, 4]  # the oldest were dropped, not the newest
+    assert tracer.counters()["steps_dropped"] == 2
+    assert tracer.status()["steps_done"] == 5
+
+
+def test_public_trace_step_reuses_one_context_and_stays_fail_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.config import load_config
+    from agent.errors import ErrorReporter
+    from agent.runtime import Runtime
+
+    config, _ = load_config({"TRACEML_NO_RELAY": "1"})
+    runtime = Runtime(config, env={}, reporter_=ErrorReporter())
+    runtime._settled = True  # no sender thread in this test: skip the hello poke
+    runtime.tracer.install()
+    try:
+        model = Net()
+        first = runtime.trace_step(model)
+        assert runtime.trace_step(model) is first  # nothing allocated per step
+        with pytest.raises(ValueError), runtime.trace_step(model):
+            raise ValueError("user bug")  # the user's exception passes through unchanged
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("tracer bug")
+
+        monkeypatch.setattr(runtime.tracer, "_take_fetch", broken)
+        runtime.tracer._fetches[1] = (1, 5)  # forces the broken branch on enter
+        with runtime.trace_step(model):  # the tracer's own error never reaches the user
+            model(torch.randn(2, 4))
+        assert runtime.tracer.counters()["tracer_errors"] >= 1
+    finally:
+        runtime.tracer.uninstall()
