@@ -46,7 +46,7 @@ from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS  # noqa: E402
 from traceml_wire import FrameDecoder, encode_frame, unpack_message  # noqa: E402
 from traceml_wire import messages as m  # noqa: E402
 from traceml_wire.auth import hello_mac  # noqa: E402
-from traceml_wire.tables import TableBuilder, columns, encode_body  # noqa: E402
+from traceml_wire.tables import columns, encode_body  # noqa: E402
 
 STEPS_PER_FLUSH = 10  # a rank doing 10 steps/s flushing once a second
 
@@ -70,22 +70,53 @@ def _step_rows(rank: int, first_step: int, n: int, rng: random.Random) -> list[d
     return rows
 
 
-def _body(rank: int, first_step: int, n: int, rng: random.Random) -> bytes:
-    tables: dict[str, TableBuilder] = {name: TableBuilder(name) for name in ("steps", "process", "status")}
-    for row in _step_rows(rank, first_step, n, rng):
-        tables["steps"].append(row)
-    now = time.time()
-    tables["process"].append({"ts": now, "cpu_pct": 99.0, "rss_bytes": 3 << 30, "gpu_mem_bytes": 9 << 30,
-                              "threads": 12})
-    tables["status"].append({"ts": now, "phase": "forward", "phase_since": now, "step": first_step + n,
-                             "steps_done": first_step + n, "finished": 0})
-    return encode_body({k: v.take() for k, v in tables.items()}, sent_ts=now)
+_POOL = 4096  # random step rows per worker, reused with advancing step numbers
 
 
-def relay_process(port: int, node: int, ranks: list[int], mode: str, seconds: float, window: int,
-                  out: mp.Queue) -> None:
+class BodyMaker:
+    """Agent batch bodies, cheap to make: the relay must not be what the benchmark
+    measures (a real relay forwards bodies the agents packed, it never builds them)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        rows = _step_rows(0, 0, _POOL, rng)
+        self.cols = {c: [r[c] for r in rows] for c in columns("steps")}
+        self.at = 0
+
+    def body(self, first_step: int, n: int) -> bytes:
+        at = self.at = (self.at + n) % (_POOL - n)
+        now = time.time()
+        steps = {c: v[at:at + n] for c, v in self.cols.items()}
+        steps["step"] = list(range(first_step, first_step + n))
+        steps["ts"] = [now] * n
+        tables = {
+            "steps": steps,
+            "process": {"ts": [now], "cpu_pct": [99.0], "rss_bytes": [3 << 30], "gpu_mem_bytes": [9 << 30],
+                        "threads": [12]},
+            "status": {"ts": [now], "phase": ["forward"], "phase_since": [now], "step": [first_step + n],
+                       "steps_done": [first_step + n], "finished": [0]},
+        }
+        return encode_body(tables, sent_ts=now)
+
+
+def relay_worker(port: int, relays: list[tuple[int, list[int]]], mode: str, seconds: float, window: int,
+                 out: mp.Queue) -> None:
+    """One process running several relays, one thread each: 512 relay processes
+    would swamp a 2-core machine with interpreters instead of measuring the daemon."""
+    import threading
+
+    maker = BodyMaker(random.Random(relays[0][0]))
+    lock = threading.Lock()
+    threads = [threading.Thread(target=relay_conn, args=(port, node, ranks, mode, seconds, window, out, maker, lock))
+               for node, ranks in relays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float, window: int,
+               out: mp.Queue, maker: BodyMaker, lock: object) -> None:
     """One simulated relay: handshake, then numbered rbatches of its ranks' bodies."""
-    rng = random.Random(node)
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     decoder = FrameDecoder()
@@ -139,7 +170,8 @@ def relay_process(port: int, node: int, ranks: list[int], mode: str, seconds: fl
         items = []
         for r in ranks:
             agent_seq[r] += 1
-            items.append([f"bench/r{r}", agent_seq[r], _body(r, step[r], STEPS_PER_FLUSH, rng)])
+            with lock:  # type: ignore[attr-defined]
+                items.append([f"bench/r{r}", agent_seq[r], maker.body(step[r], STEPS_PER_FLUSH)])
             step[r] += STEPS_PER_FLUSH
         seq += 1
         sock.sendall(encode_frame(m.relay_batch(seq, items, peers, {"node_rank": node}, {})))
@@ -196,9 +228,12 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) ->
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    # The daemon's log goes to a file: an unread PIPE fills (64 KiB, one line per
+    # connection) and then blocks the daemon's event loop on a log write.
+    log_file = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed after the daemon exits
     daemon = subprocess.Popen([sys.executable, "-m", "traceml_daemon", "serve", "--port", str(port), "--db",
                                str(tmp / "ingest.db"), "--max-connections", str(relays + 64)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=log_file)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -212,9 +247,10 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) ->
     proc.cpu_percent(None)
     ctx = mp.get_context("fork")
     out: mp.Queue = ctx.Queue()
-    per = [list(range(i, ranks, relays)) for i in range(relays)]
-    workers = [ctx.Process(target=relay_process, args=(port, i, per[i], mode, seconds, window, out))
-               for i in range(relays)]
+    per = [(i, list(range(i, ranks, relays))) for i in range(relays)]
+    nproc = min(relays, 4)
+    workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out))
+               for i in range(nproc)]
     cpu0 = proc.cpu_times()
     start = time.monotonic()
     for w in workers:
@@ -233,6 +269,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) ->
         w.join()
     daemon.terminate()
     daemon.wait(60)
+    log_file.close()
     rows = sum(r["rows"] for r in results)
     lat = sorted(x for r in results for x in r["latencies"])
     elapsed = end - start
@@ -252,11 +289,12 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="*", default=[64, 1024, 4096])
     p.add_argument("--seconds", type=float, default=8.0, help="sending time per case")
     p.add_argument("--window", type=int, default=4, help="unacknowledged rbatches per relay (throughput mode)")
+    p.add_argument("--modes", nargs="*", default=["throughput", "paced"], choices=["throughput", "paced"])
     args = p.parse_args()
     figures: dict[str, float | None] = {}
     for ranks in args.ranks:
         relays = max(1, ranks // 8)
-        for mode in ("throughput", "paced"):
+        for mode in args.modes:
             r = run_case(ranks, relays, mode, args.seconds, args.window)
             tag = f"r{ranks}_{mode}"
             if mode == "throughput":

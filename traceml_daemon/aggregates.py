@@ -4,6 +4,12 @@ Live views (diagnosis, TUI, metrics) need "median step time of rank r over the
 last N steps" every refresh; rescanning SQLite for it would grow with the run.
 Instead the writer pushes each committed step row here: a fixed-size deque per
 series, so memory is O(ranks x N) and a median costs O(N log N) on demand.
+
+Medians are cached per rank and recomputed only for ranks that received steps
+since the last snapshot, so a refresh with 1024 ranks where a few moved costs
+a few sorts. ``live()`` adds per-node views (median of the node's rank medians,
+its worst rank) and skews: how far the worst rank / node is above the median
+one, the numbers straggler diagnosis and the TUI header show.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class RankWindow:
     last_ts: float | None = None
     step_ns: deque[int] = field(init=False)
     phases_ns: dict[str, deque[int]] = field(init=False)
+    dirty: bool = field(init=False, default=True)
+    _cached: tuple[float | None, dict[str, float | None]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.step_ns = deque(maxlen=self.window)
@@ -36,21 +44,42 @@ class RankWindow:
 
     def add(self, cols: dict[str, list[Any]]) -> None:
         steps = cols.get("step") or []
-        for i, step in enumerate(steps):
-            self.steps_seen += 1
-            if isinstance(step, int) and (self.last_step is None or step >= self.last_step):
-                self.last_step = step
-                ts = cols.get("ts", [None] * len(steps))[i]
-                if ts is not None:
-                    self.last_ts = ts
-            value = cols.get("step_ns", [None] * len(steps))[i]
-            if value is not None:
-                self.step_ns.append(value)
-            for phase in PHASES:
-                value = cols.get(f"{phase}_ns", [None] * len(steps))[i]
-                if value is not None:
-                    # "None" means not measured, so it stays out of the median.
-                    self.phases_ns[phase].append(value)
+        n = len(steps)
+        if n == 0:
+            return
+        self.steps_seen += n
+        self.dirty = True
+        # Whole-column deque.extend instead of a Python loop per row: this runs
+        # for every committed step row, on the event loop.
+        valid = [s for s in steps if isinstance(s, int)]
+        if valid:
+            top = max(valid)
+            if self.last_step is None or top >= self.last_step:
+                self.last_step = top
+                ts = cols.get("ts")
+                if ts:
+                    stamps = [t for t in ts if t is not None]
+                    if stamps:
+                        self.last_ts = max(stamps)
+        _extend(self.step_ns, cols.get("step_ns"))
+        for phase in PHASES:
+            # "None" means not measured, so it stays out of the median.
+            _extend(self.phases_ns[phase], cols.get(f"{phase}_ns"))
+
+    def medians(self) -> tuple[float | None, dict[str, float | None]]:
+        if self.dirty or self._cached is None:
+            self._cached = (_median_ms(self.step_ns), {p: _median_ms(v) for p, v in self.phases_ns.items()})
+            self.dirty = False
+        return self._cached
+
+
+def _extend(window: deque[int], values: list[Any] | None) -> None:
+    if not values:
+        return
+    if None in values:
+        values = [v for v in values if v is not None]
+    # Only the newest ``maxlen`` values can survive anyway.
+    window.extend(values[-window.maxlen :] if window.maxlen else values)
 
 
 @dataclass
@@ -90,18 +119,107 @@ class Aggregates:
 
     def snapshot(self) -> list[RankSnapshot]:
         """Medians of every rank's current window, ordered by global rank."""
-        out = [
-            RankSnapshot(
-                rank_id=r.rank_id,
-                global_rank=r.global_rank,
-                node_rank=r.node_rank,
-                steps_seen=r.steps_seen,
-                last_step=r.last_step,
-                last_ts=r.last_ts,
-                step_ms_median=_median_ms(r.step_ns),
-                phases_ms_median={p: _median_ms(v) for p, v in r.phases_ns.items()},
+        out = []
+        for r in self._ranks.values():
+            step_med, phase_med = r.medians()
+            out.append(
+                RankSnapshot(
+                    rank_id=r.rank_id,
+                    global_rank=r.global_rank,
+                    node_rank=r.node_rank,
+                    steps_seen=r.steps_seen,
+                    last_step=r.last_step,
+                    last_ts=r.last_ts,
+                    step_ms_median=step_med,
+                    phases_ms_median=dict(phase_med),
+                )
             )
-            for r in self._ranks.values()
-        ]
         out.sort(key=lambda s: (s.global_rank is None, s.global_rank or 0, s.rank_id))
         return out
+
+    def live(self) -> LiveSnapshot:
+        """Ranks, nodes and skews from the rolling windows; no database access."""
+        ranks = self.snapshot()
+        by_node: dict[int, list[RankSnapshot]] = {}
+        for r in ranks:
+            if r.node_rank is not None:
+                by_node.setdefault(r.node_rank, []).append(r)
+        nodes = []
+        for node_rank in sorted(by_node):
+            members = by_node[node_rank]
+            timed = [r for r in members if r.step_ms_median is not None]
+            worst = max(timed, key=_step_ms) if timed else None
+            nodes.append(
+                NodeSnapshot(
+                    node_rank=node_rank,
+                    ranks=[_label(r) for r in members],
+                    steps_seen=sum(r.steps_seen for r in members),
+                    last_step=max((r.last_step for r in members if r.last_step is not None), default=None),
+                    step_ms_median=_median([_step_ms(r) for r in timed]),
+                    phases_ms_median={
+                        p: _median([v for r in members if (v := r.phases_ms_median.get(p)) is not None]) for p in PHASES
+                    },
+                    worst_rank=_label(worst) if worst else None,
+                    worst_step_ms=_step_ms(worst) if worst else None,
+                    skew=_skew([_step_ms(r) for r in timed]),
+                )
+            )
+        timed = [r for r in ranks if r.step_ms_median is not None]
+        worst = max(timed, key=_step_ms) if timed else None
+        node_meds = [n.step_ms_median for n in nodes if n.step_ms_median is not None]
+        worst_node = max((n for n in nodes if n.step_ms_median is not None), key=lambda n: n.step_ms_median or 0.0,
+                         default=None)
+        return LiveSnapshot(
+            ranks=ranks,
+            nodes=nodes,
+            step_ms_median=_median([_step_ms(r) for r in timed]),
+            worst_rank=_label(worst) if worst else None,
+            worst_step_ms=_step_ms(worst) if worst else None,
+            rank_skew=_skew([_step_ms(r) for r in timed]),
+            worst_node=worst_node.node_rank if worst_node else None,
+            node_skew=_skew(node_meds),
+        )
+
+
+@dataclass
+class NodeSnapshot:
+    node_rank: int
+    ranks: list[int]
+    steps_seen: int
+    last_step: int | None
+    step_ms_median: float | None  # median of the node's rank medians
+    phases_ms_median: dict[str, float | None]
+    worst_rank: int | None
+    worst_step_ms: float | None
+    skew: float | None  # (worst - median) / median over the node's ranks
+
+
+@dataclass
+class LiveSnapshot:
+    ranks: list[RankSnapshot]
+    nodes: list[NodeSnapshot]
+    step_ms_median: float | None  # median over ranks of their median step time
+    worst_rank: int | None
+    worst_step_ms: float | None
+    rank_skew: float | None  # (worst rank - median rank) / median rank
+    worst_node: int | None
+    node_skew: float | None  # (worst node - median node) / median node
+
+
+def _step_ms(r: RankSnapshot) -> float:
+    return r.step_ms_median if r.step_ms_median is not None else 0.0
+
+
+def _label(r: RankSnapshot) -> int:
+    return r.global_rank if r.global_rank is not None else -r.rank_id
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _skew(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mid = statistics.median(values)
+    return (max(values) - mid) / mid if mid > 0 else None

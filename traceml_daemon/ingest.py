@@ -5,6 +5,11 @@ the highest agent seq stored (a cache of ``ranks.last_seq``). ``stage`` plans
 one transaction; ``commit`` makes the plan's high-water marks current once the
 database committed, and ``rollback`` forgets them, so the cache never runs
 ahead of the disk.
+
+The writer pipelines: it stages transaction N+1 (decoding, in the event loop)
+while N is still being written on aiosqlite's thread. Staging therefore also
+consults ``pending``, the high-water marks of staged but uncommitted plans; a
+failed commit clears them all and the writer re-stages what came after.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class RankState:
     last_seq: int
     global_rank: int | None = None
     node_rank: int | None = None
+    session: str | None = None
+    attempt: int = 0
 
 
 @dataclass
@@ -91,6 +98,7 @@ def parse_agent_sender(sender: str) -> SenderId | None:
 class Ingestor:
     def __init__(self, known: dict[str, RankState] | None = None, next_rank_id: int = 1) -> None:
         self.known: dict[str, RankState] = dict(known or {})
+        self.pending: dict[str, RankState] = {}  # staged, not yet committed
         self.next_rank_id = next_rank_id
 
     def last_seq(self, sender: str) -> int:
@@ -113,7 +121,7 @@ class Ingestor:
         if stats:
             plan.relay_stats.setdefault(relay_sender, {}).update(stats)
         for sender, seq, body in items:
-            state = plan.high_water.get(sender) or self.known.get(sender)
+            state = plan.high_water.get(sender) or self.pending.get(sender) or self.known.get(sender)
             if state is not None and seq <= state.last_seq:
                 plan.duplicates_discarded += 1
                 continue
@@ -122,7 +130,7 @@ class Ingestor:
                 self.next_rank_id += 1
             # Seqs advance even when the body is bad: a resend would be equally
             # bad, and refusing it forever would wedge the relay's buffer.
-            state = RankState(state.rank_id, seq, state.global_rank, state.node_rank)
+            state = RankState(state.rank_id, seq, state.global_rank, state.node_rank, state.session, state.attempt)
             plan.high_water[sender] = state
             plan.ranks[sender] = self._rank_row(state, sender, session, peers.get(sender, {}), node, now)
             try:
@@ -158,6 +166,8 @@ class Ingestor:
                 values[key] = node[key]
         state.global_rank = values.get("global_rank")
         state.node_rank = values.get("node_rank")
+        state.session = sess
+        state.attempt = attempt if isinstance(attempt, int) else 0
         values.update(
             rank_id=state.rank_id,
             sender=sender,
@@ -190,12 +200,21 @@ class Ingestor:
                     if isinstance(source, str) and isinstance(count, int):
                         drops[source] = max(drops.get(source, 0), count)
 
+    def staged(self, plan: Plan) -> None:
+        """``plan`` is on its way to the database: later plans dedup against it."""
+        self.pending.update(plan.high_water)
+
     def commit(self, plan: Plan) -> None:
         self.known.update(plan.high_water)
+        for sender, state in plan.high_water.items():
+            if self.pending.get(sender) is state:
+                del self.pending[sender]
 
     def rollback(self, plan: Plan) -> None:
         # Rank ids handed out by a failed plan are simply skipped; ids only need to be unique.
+        # Every staged plan after it deduplicated against it, so all pending marks go.
         plan.high_water.clear()
+        self.pending.clear()
 
 
 def insert_sql(table: str) -> str:

@@ -102,6 +102,9 @@ class DaemonServer:
                 ssl=self._ssl_context(),
                 limit=READ_CHUNK,
                 start_serving=False,
+                # Every relay reconnects at once after a daemon restart; the default backlog
+                # (100) silently stalls the rest behind a full accept queue.
+                backlog=max(100, self.config.max_connections),
             )
             metrics = await self._start_metrics(server)
             async with server, metrics or contextlib.nullcontext(), asyncio.TaskGroup() as tg:

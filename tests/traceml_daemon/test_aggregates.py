@@ -1,0 +1,41 @@
+"""Live aggregates: rolling per-rank medians, per-node views and skews."""
+
+from __future__ import annotations
+
+from traceml_daemon.aggregates import Aggregates
+
+
+def _cols(first: int, n: int, step_ns: int, fwd: int | None = 1_000_000) -> dict[str, list[object]]:
+    return {
+        "step": list(range(first, first + n)),
+        "ts": [100.0 + s for s in range(first, first + n)],
+        "step_ns": [step_ns] * n,
+        "forward_ns": [fwd] * n,
+    }
+
+
+def test_live_snapshot_nodes_worst_rank_and_skews() -> None:
+    agg = Aggregates(window=10)
+    # node 0: ranks 0,1 at 20 ms; node 1: rank 2 at 20 ms, rank 3 a straggler at 30 ms.
+    for rank_id, (gr, node, ms) in enumerate([(0, 0, 20), (1, 0, 20), (2, 1, 20), (3, 1, 30)], start=1):
+        agg.add_steps(rank_id, _cols(0, 5, ms * 1_000_000), global_rank=gr, node_rank=node)
+    live = agg.live()
+    assert [r.global_rank for r in live.ranks] == [0, 1, 2, 3]
+    assert live.worst_rank == 3 and live.worst_step_ms == 30.0
+    assert live.step_ms_median == 20.0 and live.rank_skew == 0.5
+    n0, n1 = live.nodes
+    assert (n0.ranks, n0.step_ms_median, n0.skew) == ([0, 1], 20.0, 0.0)
+    assert (n1.ranks, n1.step_ms_median, n1.worst_rank) == ([2, 3], 25.0, 3)
+    assert live.worst_node == 1 and live.node_skew == (25.0 - 22.5) / 22.5
+    assert n0.phases_ms_median["forward"] == 1.0 and n1.last_step == 4
+
+
+def test_window_rolls_and_unmeasured_values_stay_out() -> None:
+    agg = Aggregates(window=4)
+    agg.add_steps(1, _cols(0, 4, 10_000_000), global_rank=0, node_rank=0)
+    assert agg.snapshot()[0].step_ms_median == 10.0
+    agg.add_steps(1, _cols(4, 3, 50_000_000, fwd=None), global_rank=0, node_rank=0)
+    snap = agg.snapshot()[0]
+    assert snap.step_ms_median == 50.0  # window of 4: one 10 ms, three 50 ms
+    assert snap.phases_ms_median["forward"] == 1.0  # None never entered the window
+    assert snap.steps_seen == 7 and snap.last_step == 6 and snap.last_ts == 106.0

@@ -1,0 +1,85 @@
+"""Downsampled history kept by the writer: exact buckets, a reservoir that
+always holds the latest point, and overview reads bounded by the width."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
+from traceml_daemon.store import history
+from traceml_daemon.store.schema import HISTORY_LEVELS, LATEST_SLOT, RESERVOIR_SIZE
+from traceml_daemon.store.writer import StoreWriter
+
+
+async def _write(db: Path, batches: list) -> None:
+    writer = StoreWriter(str(db))
+    await writer.open()
+    for b in batches:
+        assert await writer.write([b])
+    await writer.close()
+
+
+def test_buckets_equal_raw_min_max_mean_at_every_level(tmp_path: Path) -> None:
+    db = tmp_path / "h.db"
+    # Uneven batch sizes so buckets fill across transactions and daemon restarts.
+    batches, step, seq = [], 0, 0
+    for n in (5, 64, 100, 3, 1000, 777, 2100):
+        seq += 1
+        batches.append(batch(seq, [0, 1, 2], step, n))
+        step += n
+    asyncio.run(_write(db, batches[:4]))
+    asyncio.run(_write(db, batches[4:]))  # a restart in the middle of buckets
+    conn = ro(db)
+    for level in HISTORY_LEVELS:
+        raw, stored = raw_buckets(conn, level), stored_buckets(conn, level)
+        assert stored == raw, level  # n, count, min, max, sum: the mean is sum / count
+    node = conn.execute("SELECT sum(n), min(step_min), max(step_max) FROM node_history WHERE level=64 AND node_rank=0")
+    assert node.fetchone() == conn.execute(
+        "SELECT count(*), min(step_ns), max(step_ns) FROM steps JOIN ranks USING (rank_id) WHERE node_rank=0"
+    ).fetchone()
+
+
+def test_reservoir_is_bounded_uniformish_and_keeps_the_latest_point(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    batches = [batch(i + 1, [0], i * 500, 500) for i in range(20)]  # 10,000 steps
+    asyncio.run(_write(db, batches))
+    conn = ro(db)
+    slots = conn.execute("SELECT slot, step FROM reservoir WHERE rank_id=1 ORDER BY slot").fetchall()
+    assert len(slots) == RESERVOIR_SIZE + 1
+    assert dict(slots)[LATEST_SLOT] == 9_999
+    sample = sorted(s for slot, s in slots if slot != LATEST_SLOT)
+    assert len(set(sample)) == RESERVOIR_SIZE
+    # A uniform sample over 10,000 steps reaches both ends, not only the first 256.
+    assert sample[0] < 2_000 and sample[-1] > 8_000
+    assert sum(1 for s in sample if s >= 5_000) > RESERVOIR_SIZE // 4
+    # Every sampled point is a real row with its real values.
+    for step, step_ns in conn.execute("SELECT step, step_ns FROM reservoir WHERE rank_id=1 LIMIT 20").fetchall():
+        assert conn.execute("SELECT step_ns FROM steps WHERE rank_id=1 AND step=?", (step,)).fetchone()[0] == step_ns
+
+
+def test_overview_reads_at_most_width_points_per_series(tmp_path: Path) -> None:
+    db = tmp_path / "o.db"
+    batches = [batch(i + 1, [0, 1, 2, 3], i * 2000, 2000) for i in range(10)]  # 20,000 steps x 4 ranks
+    asyncio.run(_write(db, batches))
+    conn = ro(db)
+    ov = history.overview(conn, "s1", 0, width=50)
+    assert ov.span.first_step == 0 and ov.span.last_step == 19_999 and ov.span.steps == 80_000
+    assert ov.level == 1024 and 0 < len(ov.series) <= 50
+    assert sum(p.n for p in ov.series) == 80_000
+    assert [n.node_rank for n in ov.nodes] == [0, 1] and ov.nodes[0].ranks == [0, 1]
+    assert all(r.last_step == 19_999 and r.step_ms_median is not None for r in ov.ranks)
+    series = history.rank_series(conn, "s1", 0, width=10)
+    assert set(series) == {0, 1, 2, 3} and all(len(s) <= 10 for s in series.values())
+    raw_max = conn.execute("SELECT max(step_ns) FROM steps").fetchone()[0] / 1e6
+    assert max(p.max_ms["step"] or 0 for s in series.values() for p in s) == raw_max
+    mean = conn.execute("SELECT avg(step_ns) FROM steps").fetchone()[0] / 1e6
+    got = sum((p.mean_ms["step"] or 0) * p.n for p in ov.series) / 80_000
+    assert abs(got - mean) < 1e-6 * mean
+
+
+def test_choose_level_picks_the_finest_that_fits() -> None:
+    assert history.choose_level(0, 999, 200) == (64, 1)
+    assert history.choose_level(0, 999_999, 1000) == (1024, 1)
+    level, group = history.choose_level(0, 999_999, 20)
+    assert level == 16384 and 62 / group <= 20

@@ -1,0 +1,66 @@
+"""A v1 database (no history tables) migrates forward: history is backfilled
+from its raw steps and the writer carries on where it stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
+from traceml_daemon.store.migrate import migrate
+from traceml_daemon.store.schema import HISTORY_LEVELS, LATEST_SLOT, MIGRATIONS, SCHEMA_VERSION
+from traceml_daemon.store.writer import StoreWriter
+
+
+def _v1_database(db: Path) -> None:
+    """What traceml-daemon 1 wrote: the v1 schema, version 1, and some steps."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statement in MIGRATIONS[0]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    for rank in (0, 1, 2):
+        conn.execute(
+            "INSERT INTO ranks (rank_id, sender, session, attempt, global_rank, node_rank, last_seq) "
+            "VALUES (?, ?, 's1', 0, ?, ?, 1)",
+            (rank + 1, f"s1/a0/n{rank // 2}/r{rank}/1000-abcd", rank, rank // 2),
+        )
+        conn.executemany(
+            "INSERT INTO steps (rank_id, step, ts, step_ns, forward_ns) VALUES (?, ?, ?, ?, ?)",
+            [(rank + 1, s, 1e9 + s, 1_000_000 + (s * 7919 + rank) % 5000, None if s % 3 else s) for s in range(1500)],
+        )
+    conn.close()
+
+
+def test_v1_migrates_to_v2_with_history_backfilled(tmp_path: Path) -> None:
+    db = tmp_path / "v1.db"
+    _v1_database(db)
+    assert SCHEMA_VERSION == 2
+    assert migrate(str(db)) == 2
+    conn = ro(db)
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    for level in HISTORY_LEVELS:
+        assert stored_buckets(conn, level) == raw_buckets(conn, level)
+    latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))
+    assert latest.fetchall() == [(1, 1499), (2, 1499), (3, 1499)]
+    assert conn.execute("SELECT count(*) FROM reservoir WHERE rank_id=1 AND slot>=0").fetchone()[0] == 256
+    assert conn.execute("SELECT sum(n) FROM node_history WHERE level=64").fetchone()[0] == 4500
+    conn.close()
+
+
+def test_writer_continues_a_migrated_database(tmp_path: Path) -> None:
+    db = tmp_path / "v1.db"
+    _v1_database(db)
+
+    async def go() -> None:
+        writer = StoreWriter(str(db))  # migrates on open
+        await writer.open()
+        assert await writer.write([batch(2, [0, 1, 2], 1500, 600)])
+        await writer.close()
+
+    asyncio.run(go())
+    conn = ro(db)
+    for level in HISTORY_LEVELS:
+        assert stored_buckets(conn, level) == raw_buckets(conn, level)
+    assert conn.execute("SELECT step FROM reservoir WHERE rank_id=1 AND slot=?", (LATEST_SLOT,)).fetchone() == (2099,)
+    assert conn.execute("SELECT seen FROM reservoir_state WHERE rank_id=1").fetchone() == (2100,)

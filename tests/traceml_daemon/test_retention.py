@@ -1,0 +1,73 @@
+"""Retention deletes the oldest raw rows (by age, by size) and keeps history."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from tests.traceml_daemon.history_support import batch, ro
+from traceml_daemon.store.retention import RetentionPolicy
+from traceml_daemon.store.writer import StoreWriter
+
+
+def _history(db: Path) -> list[tuple[object, ...]]:
+    conn = ro(db)
+    try:
+        return conn.execute("SELECT * FROM rank_history ORDER BY rank_id, level, bucket").fetchall()
+    finally:
+        conn.close()
+
+
+def test_age_retention_deletes_old_steps_in_chunks_and_keeps_history(tmp_path: Path) -> None:
+    db = tmp_path / "age.db"
+    now = time.time()
+    old = batch(1, [0, 1], 0, 3000, ts0=now - 10 * 86400)  # ten days old
+    new = batch(2, [0, 1], 3000, 500, ts0=now - 3000)  # recent
+
+    async def go() -> int:
+        writer = StoreWriter(str(db), retention=RetentionPolicy(max_age_s=7 * 86400, chunk_rows=500, max_chunks=1000))
+        await writer.open()
+        assert await writer.write([old]) and await writer.write([new])
+        before = _history(db)
+        deleted = await writer.enforce_retention()
+        assert _history(db) == before  # history untouched
+        await writer.close()
+        return deleted
+
+    assert asyncio.run(go()) == 6000
+    conn = ro(db)
+    assert conn.execute("SELECT count(*), min(step) FROM steps").fetchone() == (1000, 3000)
+    assert conn.execute("SELECT sum(n) FROM rank_history WHERE level=64").fetchone()[0] == 7000
+
+
+def test_size_retention_deletes_oldest_until_under_the_cap(tmp_path: Path) -> None:
+    db = tmp_path / "size.db"
+    batches = [batch(i + 1, [0, 1, 2, 3], i * 2500, 2500) for i in range(8)]  # 80,000 steps
+
+    async def go() -> None:
+        writer = StoreWriter(str(db))
+        await writer.open()
+        for b in batches:
+            assert await writer.write([b])
+        await writer.close()
+        cap = RetentionPolicy(max_db_bytes=2 * 1024 * 1024, chunk_rows=2000, max_chunks=10_000)
+        writer = StoreWriter(str(db), retention=cap)
+        await writer.open()
+        before = _history(db)
+        assert await writer.enforce_retention() > 0
+        assert _history(db) == before
+        async with writer._db.execute("PRAGMA page_count") as cur:  # type: ignore[union-attr]
+            assert (await cur.fetchone()) is not None
+        await writer.close()
+
+    asyncio.run(go())
+    conn = ro(db)
+    pages, free, size = (conn.execute(f"PRAGMA {p}").fetchone()[0] for p in ("page_count", "freelist_count", "page_size"))
+    assert (pages - free) * size <= 2 * 1024 * 1024
+    count, first = conn.execute("SELECT count(*), min(step) FROM steps").fetchone()
+    assert 0 < count < 80_000
+    # The oldest went first: what is left is the newest steps, contiguous to the end.
+    assert conn.execute("SELECT max(step) FROM steps").fetchone()[0] == 19_999
+    assert first > 0
+    assert conn.execute("SELECT sum(n) FROM rank_history WHERE level=16384").fetchone()[0] == 80_000

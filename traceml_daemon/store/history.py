@@ -1,0 +1,504 @@
+"""Downsampled step history: maintained as steps arrive, read for overviews.
+
+Raw steps grow with the run (1M steps x 64 ranks = 64M rows) and may be
+deleted by retention, so views of a whole run never read them. Instead the
+writer folds every committed step into:
+
+* ``rank_history`` / ``node_history``: per rank and per node, for each level
+  in ``HISTORY_LEVELS`` (buckets of 64, 1024, 16384 steps), the count, min,
+  max and sum of ``step_ns`` and of every phase. Sums and counts (not means)
+  are stored so a bucket filled over several transactions, or across a daemon
+  restart, merges exactly in SQL.
+* ``reservoir``: per rank a uniform sample (Algorithm L) of
+  ``RESERVOIR_SIZE`` raw points, plus slot ``LATEST_SLOT`` that always holds
+  the newest point, so medians of a whole run and "where is it now" cost a
+  few hundred rows per rank.
+
+Writing side (pure, used by ``StoreWriter`` and by ``bench/history.py``):
+
+    deltas = bucket_deltas(steps_by_rank)            # {(rank_id, level, bucket): Stats}
+    nodes = node_deltas(deltas, node_of)             # {(session, attempt, node, level, bucket): Stats}
+    sampler.offer(rank_id, cols, plan)               # reservoir rows to upsert
+    conn.executemany(RANK_UPSERT, rank_rows(deltas)) # merge in SQL
+
+Reading side: ``overview(conn, run, width)`` and the ``*_series`` functions.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sqlite3
+import statistics
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
+from traceml_wire.tables import PHASES
+
+# Stats is a flat list, for speed on the ingest path:
+# [n, first_step, last_step, last_ts, then per metric: count, min, max, sum]
+Stats = list[Any]
+_BASE = 4
+_WIDTH = _BASE + 4 * len(HISTORY_METRICS)
+_METRIC_COLS = tuple(f"{m}_ns" for m in HISTORY_METRICS)
+
+
+def _lo(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None or a <= b else b
+
+
+def _hi(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None or a >= b else b
+
+
+def merge_into(acc: Stats, other: Stats) -> None:
+    """Fold ``other`` into ``acc`` (same bucket)."""
+    acc[0] += other[0]
+    acc[1] = _lo(acc[1], other[1])
+    acc[2] = _hi(acc[2], other[2])
+    acc[3] = _hi(acc[3], other[3])
+    for i in range(_BASE, _WIDTH, 4):
+        if other[i]:
+            acc[i] += other[i]
+            acc[i + 1] = _lo(acc[i + 1], other[i + 1])
+            acc[i + 2] = _hi(acc[i + 2], other[i + 2])
+            acc[i + 3] += other[i + 3]
+
+
+def _stats_of(cols: dict[str, list[Any]], steps: list[int], idx: slice | list[int]) -> Stats:
+    """Stats of the rows ``idx`` selects (a slice when rows are in step order)."""
+
+    def pick(values: list[Any]) -> list[Any]:
+        return values[idx] if isinstance(idx, slice) else [values[i] for i in idx]
+
+    ts = [t for t in pick(cols["ts"]) if t is not None]
+    sel = pick(steps)
+    out: Stats = [len(sel), min(sel), max(sel), max(ts) if ts else None]
+    for name in _METRIC_COLS:
+        values = pick(cols[name])
+        if None in values:  # "not measured" stays out of every figure
+            values = [v for v in values if v is not None]
+        if values:
+            out += [len(values), min(values), max(values), sum(values)]
+        else:
+            out += [0, None, None, 0]
+    return out
+
+
+def _groups(steps: list[int], size: int) -> Iterable[tuple[int, slice | list[int]]]:
+    """(bucket, rows) for the finest level; slices when steps arrive in order (the usual case)."""
+    buckets = [s // size for s in steps]
+    if buckets == sorted(buckets):
+        start = 0
+        while start < len(buckets):
+            end = bisect_right(buckets, buckets[start], start)
+            yield buckets[start], slice(start, end)
+            start = end
+        return
+    by: dict[int, list[int]] = {}
+    for i, b in enumerate(buckets):
+        by.setdefault(b, []).append(i)
+    yield from by.items()
+
+
+def bucket_deltas(steps_by_rank: dict[int, dict[str, list[Any]]]) -> dict[tuple[int, int, int], Stats]:
+    """What this transaction's steps add to every (rank_id, level, bucket).
+
+    Only the finest level touches rows; coarser levels merge the finest
+    buckets (the levels nest), so the cost is per bucket, not per row.
+    """
+    out: dict[tuple[int, int, int], Stats] = {}
+    fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
+    for rank_id, cols in steps_by_rank.items():
+        steps = cols["step"]
+        if None in steps:
+            keep = [i for i, s in enumerate(steps) if s is not None]
+            cols = {c: [v[i] for i in keep] for c, v in cols.items()}
+            steps = cols["step"]
+        if not steps:
+            continue
+        for bucket, idx in _groups(steps, fine):
+            stats = _stats_of(cols, steps, idx)
+            out[(rank_id, fine, bucket)] = stats
+            for level in coarse:
+                key = (rank_id, level, bucket * fine // level)
+                acc = out.get(key)
+                if acc is None:
+                    out[key] = list(stats)
+                else:
+                    merge_into(acc, stats)
+    return out
+
+
+NodeKey = tuple[str, int, int]  # session, attempt, node_rank
+
+
+def node_deltas(
+    deltas: dict[tuple[int, int, int], Stats], node_of: Callable[[int], NodeKey | None]
+) -> dict[tuple[str, int, int, int, int], Stats]:
+    out: dict[tuple[str, int, int, int, int], Stats] = {}
+    for (rank_id, level, bucket), stats in deltas.items():
+        node = node_of(rank_id)
+        if node is None:
+            continue
+        key = (*node, level, bucket)
+        acc = out.get(key)
+        if acc is None:
+            out[key] = list(stats)
+        else:
+            merge_into(acc, stats)
+    return out
+
+
+# ------------------------------------------------------------------ SQL (write)
+
+_STAT_COLS = ("n", "first_step", "last_step", "last_ts") + tuple(
+    f"{m}_{k}" for m in HISTORY_METRICS for k in ("n", "min", "max", "sum")
+)
+
+
+def _merge_sql(col: str) -> str:
+    # NULL means "no value yet"; SQL's multi-argument min/max would return NULL.
+    if col.endswith("_min") or col == "first_step":
+        return f"{col}=min(coalesce({col}, excluded.{col}), coalesce(excluded.{col}, {col}))"
+    if col.endswith("_max") or col in ("last_step", "last_ts"):
+        return f"{col}=max(coalesce({col}, excluded.{col}), coalesce(excluded.{col}, {col}))"
+    return f"{col}={col}+excluded.{col}"
+
+
+def _upsert(table: str, keys: tuple[str, ...]) -> str:
+    cols = keys + _STAT_COLS
+    return (
+        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+        f"ON CONFLICT({', '.join(keys)}) DO UPDATE SET {', '.join(_merge_sql(c) for c in _STAT_COLS)}"
+    )
+
+
+RANK_UPSERT = _upsert("rank_history", ("rank_id", "level", "bucket"))
+NODE_UPSERT = _upsert("node_history", ("session", "attempt", "node_rank", "level", "bucket"))
+_RES_COLS = ("rank_id", "slot", "step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES))
+RESERVOIR_UPSERT = f"INSERT OR REPLACE INTO reservoir ({', '.join(_RES_COLS)}) VALUES ({', '.join('?' * len(_RES_COLS))})"
+RESERVOIR_STATE_UPSERT = "INSERT OR REPLACE INTO reservoir_state (rank_id, seen, next_take, w) VALUES (?, ?, ?, ?)"
+
+
+def history_rows(deltas: dict[Any, Stats]) -> list[tuple[Any, ...]]:
+    return [(*key, *stats) for key, stats in deltas.items()]
+
+
+# ------------------------------------------------------------------ reservoir
+
+
+@dataclass
+class ReservoirState:
+    """Algorithm L: after the first k points, skip ahead to the next point
+    that enters the sample instead of drawing a random number per point."""
+
+    seen: int = 0
+    next_take: int = 0  # index (0-based, over all points seen) of the next point to enter
+    w: float = 0.0
+
+
+@dataclass
+class ReservoirUpdate:
+    rows: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)  # (rank_id, slot) -> row
+    states: dict[int, ReservoirState] = field(default_factory=dict)
+    before: dict[int, ReservoirState] = field(default_factory=dict)  # for rollback
+
+
+class Reservoir:
+    """Per-rank uniform samples of raw step points; state lives here, rows in SQL."""
+
+    def __init__(self, size: int = RESERVOIR_SIZE) -> None:
+        self.size = size
+        self.states: dict[int, ReservoirState] = {}
+
+    def load(self, rows: Iterable[tuple[int, int, int, float]]) -> None:
+        for rank_id, seen, next_take, w in rows:
+            self.states[rank_id] = ReservoirState(seen, next_take, w)
+
+    def _rng(self, rank_id: int, position: int) -> random.Random:
+        # Seeded by position, so a sample is reproducible (tests) and restarts need no RNG state.
+        return random.Random(rank_id * 1_000_003 + position)
+
+    @staticmethod
+    def _gap(w: float, rng: random.Random) -> int:
+        """How many points until the next one enters (>= 1)."""
+        if w >= 1.0:
+            return 1
+        return int(math.log(rng.random() or 1e-300) / math.log1p(-w)) + 1
+
+    def offer(self, rank_id: int, cols: dict[str, list[Any]], update: ReservoirUpdate) -> None:
+        steps = cols["step"]
+        n = len(steps)
+        if n == 0:
+            return
+        k = self.size
+        state = self.states.get(rank_id)
+        if state is None:
+            state = self.states[rank_id] = ReservoirState()
+        if rank_id not in update.before:
+            update.before[rank_id] = ReservoirState(state.seen, state.next_take, state.w)
+        columns = [steps, cols["ts"], *(cols[c] for c in _METRIC_COLS)]
+
+        def row(i: int, slot: int) -> tuple[Any, ...]:
+            return (rank_id, slot, *(c[i] for c in columns))
+
+        start = state.seen
+        for i in range(max(0, min(n, k - start))):  # filling: every point enters
+            update.rows[(rank_id, start + i)] = row(i, start + i)
+        if start + n > k:
+            if state.w == 0.0:  # the sample just filled (or was backfilled by a migration)
+                begin = max(start, k)
+                rng = self._rng(rank_id, begin)
+                state.w = math.exp(math.log(rng.random() or 1e-300) / k)
+                state.next_take = begin - 1 + self._gap(state.w, rng)
+            while state.next_take < start + n:
+                rng = self._rng(rank_id, state.next_take)
+                slot = rng.randrange(k)
+                update.rows[(rank_id, slot)] = row(state.next_take - start, slot)
+                state.w *= math.exp(math.log(rng.random() or 1e-300) / k)
+                state.next_take += self._gap(state.w, rng)
+        state.seen = start + n
+        update.rows[(rank_id, LATEST_SLOT)] = row(n - 1, LATEST_SLOT)
+        update.states[rank_id] = state
+
+    def rollback(self, update: ReservoirUpdate) -> None:
+        self.states.update(update.before)
+
+
+def reservoir_rows(update: ReservoirUpdate) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    rows = list(update.rows.values())
+    states = [(rid, s.seen, s.next_take, s.w) for rid, s in update.states.items()]
+    return rows, states
+
+
+# ------------------------------------------------------------------ reading
+
+
+@dataclass
+class Point:
+    """One bucket (or several merged) of a series."""
+
+    first_step: int | None
+    last_step: int | None
+    last_ts: float | None
+    n: int
+    min_ms: dict[str, float | None]
+    mean_ms: dict[str, float | None]
+    max_ms: dict[str, float | None]
+
+
+def _point(stats: Stats) -> Point:
+    mins: dict[str, float | None] = {}
+    means: dict[str, float | None] = {}
+    maxs: dict[str, float | None] = {}
+    for j, m in enumerate(HISTORY_METRICS):
+        cnt, lo, hi, total = stats[_BASE + 4 * j : _BASE + 4 * j + 4]
+        mins[m] = lo / 1e6 if cnt else None
+        maxs[m] = hi / 1e6 if cnt else None
+        means[m] = total / cnt / 1e6 if cnt else None
+    return Point(stats[1], stats[2], stats[3], stats[0], mins, means, maxs)
+
+
+def choose_level(first_step: int, last_step: int, width: int) -> tuple[int, int]:
+    """(level, buckets merged per point): the finest level whose bucket count fits ``width``."""
+    span = last_step - first_step + 1
+    for level in HISTORY_LEVELS:
+        if math.ceil(span / level) + 1 <= width:
+            return level, 1
+    level = HISTORY_LEVELS[-1]
+    return level, math.ceil((span // level + 2) / max(1, width))
+
+
+def _series(rows: Iterable[tuple[Any, ...]], nkeys: int, group: int) -> dict[Any, list[Point]]:
+    """rows: (*key, bucket, *stats) ordered by key then bucket -> key -> points."""
+    acc: dict[Any, dict[int, Stats]] = {}
+    for row in rows:
+        key = row[0] if nkeys == 1 else tuple(row[:nkeys])
+        slot = row[nkeys] // group
+        stats = list(row[nkeys + 1 :])
+        per = acc.setdefault(key, {})
+        have = per.get(slot)
+        if have is None:
+            per[slot] = stats
+        else:
+            merge_into(have, stats)
+    return {k: [_point(per[s]) for s in sorted(per)] for k, per in acc.items()}
+
+
+_STAT_SELECT = ", ".join(_STAT_COLS)
+
+
+@dataclass
+class RunSpan:
+    first_step: int | None
+    last_step: int | None
+    steps: int  # step rows folded into history (all ranks)
+    first_ts: float | None
+    last_ts: float | None
+
+
+def run_span(conn: sqlite3.Connection, session: str, attempt: int) -> RunSpan:
+    """From the coarsest node level: a few rows per node, whatever the run length."""
+    row = conn.execute(
+        "SELECT min(first_step), max(last_step), sum(n), max(last_ts) FROM node_history "
+        "WHERE session=? AND attempt=? AND level=?",
+        (session, attempt, HISTORY_LEVELS[-1]),
+    ).fetchone()
+    first_ts = conn.execute(
+        "SELECT min(ts) FROM reservoir JOIN ranks USING (rank_id) WHERE session=? AND attempt=? AND slot>=0",
+        (session, attempt),
+    ).fetchone()[0]
+    return RunSpan(row[0], row[1], int(row[2] or 0), first_ts, row[3])
+
+
+def rank_series(
+    conn: sqlite3.Connection, session: str, attempt: int, width: int = 200, span: RunSpan | None = None
+) -> dict[int, list[Point]]:
+    """global_rank (or -rank_id when unknown) -> at most ~``width`` points over the whole run."""
+    span = span or run_span(conn, session, attempt)
+    if span.first_step is None or span.last_step is None:
+        return {}
+    level, group = choose_level(span.first_step, span.last_step, width)
+    rows = conn.execute(
+        f"SELECT coalesce(r.global_rank, -r.rank_id), h.bucket, {_STAT_SELECT} FROM rank_history h "
+        "JOIN ranks r USING (rank_id) WHERE r.session=? AND r.attempt=? AND h.level=? ORDER BY 1, h.bucket",
+        (session, attempt, level),
+    )
+    return _series(rows, 1, group)
+
+
+def node_series(
+    conn: sqlite3.Connection, session: str, attempt: int, width: int = 200, span: RunSpan | None = None
+) -> dict[int, list[Point]]:
+    """node_rank -> at most ~``width`` points (min/mean/max over the node's ranks)."""
+    span = span or run_span(conn, session, attempt)
+    if span.first_step is None or span.last_step is None:
+        return {}
+    level, group = choose_level(span.first_step, span.last_step, width)
+    rows = conn.execute(
+        f"SELECT node_rank, bucket, {_STAT_SELECT} FROM node_history WHERE session=? AND attempt=? AND level=? "
+        "ORDER BY node_rank, bucket",
+        (session, attempt, level),
+    )
+    return _series(rows, 1, group)
+
+
+def run_series(conn: sqlite3.Connection, session: str, attempt: int, width: int = 200,
+               span: RunSpan | None = None) -> list[Point]:
+    """The whole run's step-time series: every node's buckets merged per bucket."""
+    span = span or run_span(conn, session, attempt)
+    if span.first_step is None or span.last_step is None:
+        return []
+    level, group = choose_level(span.first_step, span.last_step, width)
+    rows = conn.execute(
+        f"SELECT 0, bucket, {_STAT_SELECT} FROM node_history WHERE session=? AND attempt=? AND level=? "
+        "ORDER BY bucket",
+        (session, attempt, level),
+    )
+    return _series(rows, 1, group).get(0, [])
+
+
+@dataclass
+class RankOverview:
+    rank_id: int
+    global_rank: int | None
+    node_rank: int | None
+    hostname: str | None
+    last_step: int | None  # from the reservoir's latest point
+    step_ms_median: float | None  # over the whole run, from the reservoir sample
+    phases_ms_median: dict[str, float | None]
+
+
+@dataclass
+class NodeOverview:
+    node_rank: int
+    hostname: str | None
+    ranks: list[int]
+    step_ms_median: float | None  # median of its ranks' medians
+    worst_rank: int | None
+
+
+@dataclass
+class Overview:
+    session: str
+    attempt: int
+    span: RunSpan
+    ranks: list[RankOverview]
+    nodes: list[NodeOverview]
+    series: list[Point]  # whole-run step time, <= ~width points
+    node_series: dict[int, list[Point]]
+    level: int  # bucket size the series were read at
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def rank_medians(conn: sqlite3.Connection, session: str, attempt: int) -> list[RankOverview]:
+    """Whole-run medians per rank from the reservoir sample (<= RESERVOIR_SIZE + 1 rows per rank)."""
+    cols = ", ".join(f"s.{c}" for c in _RES_COLS[2:])
+    ranks = conn.execute(
+        "SELECT rank_id, global_rank, node_rank, hostname FROM ranks WHERE session=? AND attempt=? "
+        "ORDER BY global_rank, rank_id",
+        (session, attempt),
+    ).fetchall()
+    samples: dict[int, list[tuple[Any, ...]]] = {}
+    latest: dict[int, int | None] = {}
+    for row in conn.execute(
+        f"SELECT s.rank_id, s.slot, {cols} FROM reservoir s JOIN ranks r USING (rank_id) "
+        "WHERE r.session=? AND r.attempt=?",
+        (session, attempt),
+    ):
+        if row[1] == LATEST_SLOT:
+            latest[row[0]] = row[2]
+        else:
+            samples.setdefault(row[0], []).append(row[4:])
+    out = []
+    for rank_id, global_rank, node_rank, hostname in ranks:
+        pts = samples.get(rank_id, [])
+        med = {
+            m: _median([p[j] / 1e6 for p in pts if p[j] is not None]) for j, m in enumerate(HISTORY_METRICS)
+        }
+        out.append(
+            RankOverview(
+                rank_id, global_rank, node_rank, hostname, latest.get(rank_id), med["step"],
+                {p: med[p] for p in PHASES},
+            )
+        )
+    return out
+
+
+def overview(conn: sqlite3.Connection, session: str, attempt: int, width: int = 200) -> Overview:
+    """Everything the TUI overview draws for a run, in a few thousand rows whatever its length."""
+    span = run_span(conn, session, attempt)
+    ranks = rank_medians(conn, session, attempt)
+    nodes_series = node_series(conn, session, attempt, width, span)
+    by_node: dict[int, list[RankOverview]] = {}
+    for r in ranks:
+        if r.node_rank is not None:
+            by_node.setdefault(r.node_rank, []).append(r)
+    nodes = []
+    for node_rank in sorted(by_node):
+        members = by_node[node_rank]
+        timed = [r for r in members if r.step_ms_median is not None]
+        worst = max(timed, key=lambda r: r.step_ms_median or 0.0) if timed else None
+        nodes.append(
+            NodeOverview(
+                node_rank,
+                members[0].hostname,
+                [r.global_rank if r.global_rank is not None else -r.rank_id for r in members],
+                _median([r.step_ms_median for r in timed if r.step_ms_median is not None]),
+                worst.global_rank if worst else None,
+            )
+        )
+    level = (
+        choose_level(span.first_step, span.last_step, width)[0]
+        if span.first_step is not None and span.last_step is not None
+        else HISTORY_LEVELS[0]
+    )
+    series = run_series(conn, session, attempt, width, span)
+    return Overview(session, attempt, span, ranks, nodes, series, nodes_series, level)

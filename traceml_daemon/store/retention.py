@@ -1,0 +1,139 @@
+"""Retention: bound raw telemetry by age and by database size; keep history.
+
+The writer calls ``enforce`` between its transactions (so there is never a
+second writer). Raw rows go oldest first, in chunks of ``chunk_rows``, each
+chunk its own short transaction, so ingest never waits long behind a delete.
+Only raw time series are trimmed; ``rank_history``, ``node_history``, the
+reservoir, ``ranks`` and ``delivery`` stay, so a run's overview and counters
+survive the raw rows they were built from.
+
+"Oldest" is rowid order: rows are appended as they arrive, so the first
+rowids are the oldest, and a chunk is found through the rowid B-tree without
+scanning (no ts index to maintain on the ingest path).
+
+Size is the space the database uses, ``(page_count - freelist_count) *
+page_size``: SQLite does not shrink the file after a DELETE, it reuses the
+freed pages, so the file stays near ``max_db_bytes`` instead of growing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import aiosqlite
+
+log = logging.getLogger("traceml_daemon.retention")
+
+# Raw tables trimmed, with the column holding wall-clock time and its scale to seconds.
+RAW_TABLES: tuple[tuple[str, str, float], ...] = (
+    ("steps", "ts", 1.0),
+    ("process", "ts", 1.0),
+    ("system", "ts", 1.0),
+    ("gpu", "ts", 1.0),
+    ("status", "ts", 1.0),
+    ("spans", "start_ns", 1e9),
+)
+
+
+@dataclass
+class RetentionPolicy:
+    max_age_s: float | None = None
+    max_db_bytes: int | None = None
+    chunk_rows: int = 2000
+    max_chunks: int = 50  # per call: bounded work between two ingest transactions
+    interval_s: float = 5.0
+
+    @classmethod
+    def from_flags(cls, retention_days: float | None, max_db_mb: float | None) -> RetentionPolicy | None:
+        if not retention_days and not max_db_mb:
+            return None
+        return cls(
+            max_age_s=retention_days * 86400.0 if retention_days else None,
+            max_db_bytes=int(max_db_mb * 1024 * 1024) if max_db_mb else None,
+        )
+
+
+async def used_bytes(db: aiosqlite.Connection) -> int:
+    values = []
+    for pragma in ("page_count", "freelist_count", "page_size"):
+        async with db.execute(f"PRAGMA {pragma}") as cur:
+            row = await cur.fetchone()
+        values.append(int(row[0]) if row else 0)
+    pages, free, size = values
+    return (pages - free) * size
+
+
+async def _delete_chunk(db: aiosqlite.Connection, sql: str, params: tuple[float | int, ...]) -> int:
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        cur = await db.execute(sql, params)
+        deleted = cur.rowcount
+        await db.execute("COMMIT")
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
+    return max(0, deleted)
+
+
+async def _trim_age(db: aiosqlite.Connection, policy: RetentionPolicy, now: float, budget: int) -> tuple[int, int]:
+    """Delete rows older than the cutoff from every raw table; (rows, chunks used)."""
+    assert policy.max_age_s is not None
+    cutoff = now - policy.max_age_s
+    total = chunks = 0
+    for table, col, scale in RAW_TABLES:
+        # Only the oldest chunk is examined each time: bounded work even when nothing is old.
+        sql = (
+            f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
+            f"(SELECT rowid, {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t < ?)"
+        )
+        while chunks < budget:
+            deleted = await _delete_chunk(db, sql, (policy.chunk_rows, cutoff * scale))
+            chunks += 1
+            total += deleted
+            if deleted < policy.chunk_rows:
+                break
+    return total, chunks
+
+
+async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: int) -> int:
+    """Delete the oldest steps (and other raw rows no newer) until under the size cap."""
+    assert policy.max_db_bytes is not None
+    total = 0
+    for _ in range(budget):
+        if await used_bytes(db) <= policy.max_db_bytes:
+            break
+        async with db.execute(
+            "SELECT max(rowid), max(ts) FROM (SELECT rowid, ts FROM steps ORDER BY rowid LIMIT ?)", (policy.chunk_rows,)
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None or row[0] is None:
+            log.warning("database over --max-db-mb with no raw steps left to delete (history alone is larger)")
+            break
+        last_rowid, last_ts = row
+        deleted = await _delete_chunk(db, "DELETE FROM steps WHERE rowid <= ?", (last_rowid,))
+        if last_ts is not None:
+            for table, col, scale in RAW_TABLES[1:]:
+                deleted += await _delete_chunk(
+                    db,
+                    f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
+                    f"(SELECT rowid, {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t <= ?)",
+                    (policy.chunk_rows, last_ts * scale),
+                )
+        total += deleted
+    return total
+
+
+async def enforce(db: aiosqlite.Connection, policy: RetentionPolicy, now: float) -> int:
+    """Apply ``policy`` once, within its chunk budget; returns raw rows deleted."""
+    deleted = 0
+    budget = policy.max_chunks
+    if policy.max_age_s is not None:
+        rows, used = await _trim_age(db, policy, now, budget)
+        deleted += rows
+        budget -= used
+    if policy.max_db_bytes is not None and budget > 0:
+        deleted += await _trim_size(db, policy, budget)
+    if deleted:
+        log.info("retention deleted %d raw rows", deleted)
+    return deleted
