@@ -2,7 +2,11 @@
 
 Reads happen in a thread worker once a second (sqlite never blocks the UI
 loop); only one read runs at a time because the reader keeps incremental
-state on a single connection. Pass ``clock`` to freeze "now" (snapshots).
+state on a single connection. Diagnosis and node views (the costly part at
+thousands of ranks) run in a second worker on their own connection, on the
+first refresh and then every ``analyze_every``-th, so a refresh never waits
+for them; their result is merged into the snapshot already shown. Pass
+``clock`` to freeze "now" (snapshots).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
-from traceml_daemon.tui.data import DatabaseMissing, TuiData
+from traceml_daemon.tui.data import Analysis, Analyzer, DatabaseMissing, TuiData, with_analysis
 from traceml_daemon.tui.screens import (
     HelpScreen,
     JumpScreen,
@@ -61,12 +65,20 @@ class TraceApp(App[None]):
         *,
         clock: Callable[[], float] | None = None,
         refresh_s: float = 1.0,
+        analyze_every: int = 5,
     ) -> None:
         super().__init__()
         self.db_path = db_path
         self.clock = clock or time.time
         self.refresh_s = refresh_s
         self.data = TuiData(db_path, clock=self.clock)  # raises DatabaseMissing with the path
+        self.analyzer = Analyzer(db_path, clock=self.clock)
+        self.analyze_every = max(1, analyze_every)
+        self.analysis: Analysis | None = None  # latest result of the analysis worker
+        self.analysis_count = 0  # completed analyses (tests and bench wait on this)
+        self._analyzing = False
+        self._analysis_due = False  # scheduled to start after the next paint
+        self._analysis_not_before = 0.0  # monotonic; keeps the analyzer's share of the CPU bounded
         self.refresh_count = 0  # completed refreshes (tests and bench wait on this)
         self.last_snapshot: Snapshot | None = None
         self.last_error: str | None = None
@@ -86,6 +98,7 @@ class TraceApp(App[None]):
 
     def on_unmount(self) -> None:
         self.data.close()
+        self.analyzer.close()
 
     def _target(self) -> tuple[str, int | None]:
         screen = self.screen
@@ -108,7 +121,7 @@ class TraceApp(App[None]):
     def _read(self, target: tuple[str, int | None]) -> None:
         t0 = time.perf_counter()
         try:
-            overview = self.data.overview()
+            overview = self.data.overview(self.analysis)
             kind, key = target
             node = self.data.node_detail(key) if kind == "node" and key is not None else None
             rank = self.data.rank_detail(key) if kind == "rank" and key is not None else None
@@ -135,9 +148,56 @@ class TraceApp(App[None]):
             self.notify(error, title="read failed", severity="error")
         self.last_error = error
         self.last_apply_s = time.perf_counter() - t0
+        if (
+            snap is not None
+            and self.refresh_count % self.analyze_every == 0
+            and time.monotonic() >= self._analysis_not_before
+        ):
+            # After the paint, so the first screen does not wait on ~1 s of analysis at 4096
+            # ranks; flagged before the count moves, so whoever waits on the count sees it.
+            self._analysis_due = True
+            self.call_after_refresh(self.request_analysis)
         self.refresh_count += 1
         if self._pending:
             self.request_refresh()
+
+    # ---- analysis, off the refresh path
+
+    def request_analysis(self) -> None:
+        """Run the analyzer unless it is running (a slow one is skipped, not queued)."""
+        self._analysis_due = False
+        if self._analyzing:
+            return
+        self._analyzing = True
+        self._analyze()
+
+    @work(thread=True, group="analysis", exit_on_error=False)
+    def _analyze(self) -> None:
+        t0 = time.monotonic()
+        try:
+            result: Analysis | None = self.analyzer.run()
+        except Exception as exc:  # a locked db: the next round retries; the refresh shows the error
+            result = None
+            self.log.warning(f"analysis failed: {exc.__class__.__name__}: {exc}")
+        self.call_from_thread(self._apply_analysis, result, time.monotonic() - t0)
+
+    def _apply_analysis(self, result: Analysis | None, took_s: float) -> None:
+        self._analyzing = False
+        # Python threads share one core's worth of GIL: an analysis taking 1 s (4096
+        # ranks) every 5 s would slow every refresh; keep it to about a fifth of the time.
+        self._analysis_not_before = time.monotonic() + 4.0 * took_s
+        self.analysis_count += 1
+        if result is None:
+            return
+        self.analysis = result
+        snap = self.last_snapshot
+        if snap is None:
+            return
+        snap = Snapshot(with_analysis(snap.overview, result), snap.node, snap.rank)
+        self.last_snapshot = snap
+        screen = self.screen
+        if isinstance(screen, OverviewScreen | VerdictsScreen):
+            screen.show(snap)
 
     # ---- navigation
 

@@ -9,7 +9,14 @@ writer (WAL) and works the same on a finished run. Every query is bounded:
 * series are aggregated in SQL (``GROUP BY step / bucket``) into power-of-two
   buckets that are cached and merged pairwise, so a refresh only aggregates the
   steps written since the previous one and never returns more than W points;
-* process/system/gpu series read the last W samples through their index.
+* process/system/gpu series read the last W samples through their index;
+* reads are set-based: the first load is one statement per table for all ranks
+  (a correlated ``MAX(step)`` per rank is one index seek), never one per rank;
+* with the v2 history tables the run's sparkline and span come from
+  ``store.history`` (a cross-rank series over the whole run, O(width) rows);
+* diagnosis and node views (``analysis.nodes.node_views``: the worst rank is
+  the one with the most busy time) run in ``Analyzer``, on its own connection,
+  so the app can run them in their own worker at a lower rate.
 
 Everything returned is a plain dataclass; ``None`` always means "not measured".
 """
@@ -17,13 +24,17 @@ Everything returned is a plain dataclass; ``None`` always means "not measured".
 from __future__ import annotations
 
 import math
+import os
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, RankData, RankStatus, RunData, Verdict
+from traceml_daemon.analysis.nodes import node_views
+from traceml_daemon.store import history
+from traceml_daemon.store.reader import RunRef, run_parallelism
 
 WINDOW = 32  # recent steps per rank kept in memory for medians and diagnosis
 SERIES_POINTS = 120  # default W for downsampled series
@@ -73,12 +84,14 @@ class JobHeader:
     attempt: int
     nnodes: int
     world_size: int
-    parallelism: str
+    parallelism: str  # store.reader.run_parallelism: traced models first, hello identity second
     latest_step: int | None
     steps_per_s: float | None
     uptime_s: float | None
     live: bool
     delivery: Delivery
+    first_step: int | None = None  # the run's span, from the history tables when present
+    history: bool = False  # True when span and sparkline cover the whole run (v2 history)
 
 
 @dataclass(frozen=True)
@@ -102,10 +115,14 @@ class NodeRow:
     node_rank: int
     hostname: str | None
     ranks: int
-    median_ms: float | None  # median of the node's rank medians
-    worst_rank: int | None
-    worst_ms: float | None
-    skew_pct: float | None  # (worst - node median) / node median
+    median_ms: float | None  # median of the node's rank step medians (recent window)
+    # From analysis.nodes.node_views, the one definition shared with the summary:
+    # worst = most busy time (step minus all-reduce wait), since under DDP every
+    # rank reports the same step time. None until the analyzer has run.
+    worst_rank: int | None = None
+    worst_busy_ms: float | None = None
+    busy_median_ms: float | None = None
+    skew_pct: float | None = None  # (worst busy - node busy median) / node busy median
 
 
 @dataclass(frozen=True)
@@ -113,10 +130,20 @@ class Overview:
     header: JobHeader
     ranks: list[RankRow]
     nodes: list[NodeRow]
-    step_series: Series  # run step time (ms), the lowest global rank
-    series_rank: int | None
+    step_series: Series  # run step time (ms): whole run across ranks (history), else the lowest rank
+    series_label: str  # what step_series covers, for the sparkline's label
     verdicts: list[Verdict]
-    verdicts_available: bool  # False until the analysis engine exists
+    verdicts_available: bool  # False until an analysis ran with the engine present
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the analyzer produced from one consistent read of the recent windows."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    available: bool = False  # False: the analysis engine is absent
+    nodes: dict[int, dict[str, Any]] = field(default_factory=dict)  # node_rank -> node_views() entry
+    parallelism: str = "single"
 
 
 @dataclass(frozen=True)
@@ -200,14 +227,6 @@ def median(values: Iterable[float | int | None]) -> float | None:
     n = len(xs)
     mid = n // 2
     return float(xs[mid]) if n % 2 else (xs[mid - 1] + xs[mid]) / 2.0
-
-
-def _median_col(col: Sequence[float | int | None]) -> float | None:
-    xs = sorted([v for v in col if v is not None])
-    n = len(xs)
-    if not n:
-        return None
-    return float(xs[n // 2]) if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2.0
 
 
 def _ms(ns: float | None) -> float | None:
@@ -317,7 +336,231 @@ class _RankState:
     first_step: int | None = None
     last_step: int | None = None
     status: RankStatus | None = None
-    medians: tuple[float | None, dict[str, float | None]] | None = None  # cache, reset on new rows
+    row: RankRow | None = None  # cache, reset when the window or the status changes
+
+
+# ---------------------------------------------------------------- set-based reads
+
+_RUN_RANKS = "r.session=? AND r.attempt=? AND r.rank_id>?"
+
+
+def current_run(con: sqlite3.Connection) -> tuple[str, int] | None:
+    """The session/attempt of the most recently seen sender (a restart makes a new attempt)."""
+    if con.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ranks'").fetchone() is None:
+        return None
+    row = con.execute("SELECT session, attempt FROM ranks ORDER BY last_seen DESC, attempt DESC LIMIT 1").fetchone()
+    return None if row is None else (str(row[0]), int(row[1] or 0))
+
+
+def read_bounds(con: sqlite3.Connection, run: tuple[str, int], after: int = 0) -> Iterator[tuple[int, Any, Any]]:
+    """(rank_id, first step, last step) of every rank of ``run`` with rank_id > ``after``.
+
+    One statement: each correlated MIN/MAX is a single seek of the (rank_id, step) index.
+    """
+    return con.execute(
+        "SELECT r.rank_id, (SELECT MIN(step) FROM steps s WHERE s.rank_id=r.rank_id), "
+        "(SELECT MAX(step) FROM steps s WHERE s.rank_id=r.rank_id) "
+        f"FROM ranks r WHERE {_RUN_RANKS}",
+        (*run, after),
+    )
+
+
+def read_windows(
+    con: sqlite3.Connection, run: tuple[str, int], window: int, after: int = 0
+) -> Iterator[tuple[Any, ...]]:
+    """(rank_id, *_STEP_COLS) of the newest ``window`` steps of every rank of ``run``.
+
+    One statement for all ranks: the per-rank MAX(step) bounds an index range
+    scan, so it reads ``window`` rows per rank whatever the run's length.
+    """
+    cols = ", ".join(f"s.{c}" for c in _STEP_COLS)
+    return con.execute(
+        f"SELECT s.rank_id, {cols} FROM ranks r CROSS JOIN steps s "
+        f"WHERE {_RUN_RANKS} AND s.rank_id=r.rank_id "
+        "AND s.step > (SELECT MAX(step) FROM steps m WHERE m.rank_id=r.rank_id) - ?",
+        (*run, after, window),
+    )
+
+
+def read_status(con: sqlite3.Connection, run: tuple[str, int], after: int = 0) -> Iterator[tuple[Any, ...]]:
+    """(rank_id, ts, phase, phase_since, step, steps_done, finished): each rank's newest status row."""
+    return con.execute(
+        "SELECT st.rank_id, st.ts, st.phase, st.phase_since, st.step, st.steps_done, st.finished "
+        f"FROM ranks r CROSS JOIN status st WHERE {_RUN_RANKS} AND st.rowid = "
+        "(SELECT x.rowid FROM status x WHERE x.rank_id=r.rank_id ORDER BY x.ts DESC LIMIT 1)",
+        (*run, after),
+    )
+
+
+def _medians(rows: Iterable[tuple[Any, ...]]) -> tuple[float | None, dict[str, float | None]]:
+    """Step and phase medians (ms) of window rows.
+
+    The hot loop at 4096 ranks: columns are transposed once, and a column is
+    sorted as is; only when it holds a None (sorting raises) is it filtered.
+    """
+    cols = list(zip(*rows, strict=True))
+    if not cols:
+        return None, {p: None for p in PHASES}
+    out: list[float | None] = []
+    for col in cols[2:9]:  # step_ns, then PHASES in order
+        try:
+            xs: Sequence[Any] = sorted(col)
+        except TypeError:  # None among numbers
+            xs = sorted([v for v in col if v is not None])
+        n = len(xs)
+        if not n or xs[0] is None:  # nothing measured (a lone None sorts without raising)
+            out.append(None)
+            continue
+        mid = n // 2
+        out.append((xs[mid] if n % 2 else (xs[mid - 1] + xs[mid]) / 2.0) / 1e6)
+    return out[0], dict(zip(PHASES, out[1:], strict=True))
+
+
+def has_history(con: sqlite3.Connection) -> bool:
+    """The v2 history tables exist (a v1 database falls back to raw reads)."""
+    row = con.execute(
+        "SELECT count(*) FROM sqlite_master WHERE type='table' AND name IN ('node_history', 'reservoir')"
+    ).fetchone()
+    return bool(row and row[0] == 2)
+
+
+def load_window_run(con: sqlite3.Connection, window: int = WINDOW, now: float | None = None) -> RunData:
+    """The analysis input over each rank's newest ``window`` steps, in four statements.
+
+    Call inside a read transaction for a consistent snapshot.
+    """
+    run = current_run(con)
+    if run is None:
+        return RunData(ranks=[])
+    ranks: dict[int, RankData] = {}
+    for rid, g, local, node, host in con.execute(
+        "SELECT rank_id, global_rank, local_rank, node_rank, hostname FROM ranks r "
+        f"WHERE {_RUN_RANKS} ORDER BY global_rank, rank_id",
+        (*run, 0),
+    ):
+        ranks[rid] = RankData(
+            global_rank=int(g if g is not None else rid),
+            local_rank=local,
+            node_rank=node,
+            hostname=host,
+            phases_ns={p: [] for p in PHASES},
+        )
+    rows: dict[int, list[tuple[Any, ...]]] = {}
+    for row in read_windows(con, run, window):
+        rows.setdefault(row[0], []).append(row[1:])
+    for rid, rs in rows.items():
+        rd = ranks.get(rid)
+        if rd is None:
+            continue
+        rs.sort(key=lambda r: r[0])
+        cols = list(zip(*rs, strict=True))
+        rd.steps = list(cols[0])
+        rd.step_ts = list(cols[1])
+        rd.step_ns = list(cols[2])
+        rd.phases_ns = {p: list(cols[3 + i]) for i, p in enumerate(PHASES)}
+        rd.comm_ns, rd.peak_bytes, rd.reserved_bytes, rd.rss_bytes = (list(c) for c in cols[9:13])
+    for row in read_status(con, run):
+        rd = ranks.get(row[0])
+        if rd is not None:
+            rd.status = _status(row[1:])
+    out = list(ranks.values())
+    live = bool(out) and not all(r.status is not None and r.status.finished for r in out)
+    parallelism = run_parallelism(con, RunRef(*run))
+    return RunData(ranks=out, parallelism=parallelism, now=now if live else None, live=live)
+
+
+class Analyzer:
+    """Diagnosis and node views over the recent windows, on a connection of its own.
+
+    Costly at scale (hundreds of ms at 4096 ranks), so the app runs it in its
+    own worker at a lower rate than the refresh; never shares ``TuiData``'s
+    connection, so the two workers may run at the same time.
+    """
+
+    def __init__(self, path: str, *, window: int = WINDOW, clock: Any = None) -> None:
+        if not os.path.exists(path):
+            raise DatabaseMissing(f"no TraceML database at {path!r}")
+        self.con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        self.window = window
+        self.clock = clock if clock is not None else time.time
+
+    def close(self) -> None:
+        self.con.close()
+
+    def run(self) -> Analysis:
+        self.con.execute("BEGIN")
+        try:
+            run = load_window_run(self.con, self.window, self.clock())
+        finally:
+            self.con.execute("COMMIT")
+        views = {int(v["node_rank"]): v for v in node_views(run)}
+        try:
+            from traceml_daemon.analysis.engine import diagnose  # optional: the UI works without it
+        except ImportError:
+            return Analysis([], False, views, run.parallelism)
+        try:
+            verdicts = list(diagnose(run))
+        except Exception as exc:  # a diagnosis bug must not take the UI down
+            verdicts = [Verdict("DIAGNOSIS_ERROR", "warn", {}, f"analysis failed: {exc.__class__.__name__}: {exc}")]
+        order = {"critical": 0, "warn": 1, "info": 2}
+        verdicts.sort(key=lambda v: order.get(v.severity, 3))
+        return Analysis(verdicts, True, views, run.parallelism)
+
+
+def nodes_from(rows: list[RankRow], analysis: Analysis | None = None) -> list[NodeRow]:
+    """Node table rows: live step medians from ``rows``, worst rank and busy time from ``analysis``."""
+    by_node: dict[int, list[RankRow]] = {}
+    for r in rows:
+        by_node.setdefault(r.node_rank, []).append(r)
+    views = analysis.nodes if analysis is not None else {}
+    out: list[NodeRow] = []
+    for node, rs in by_node.items():
+        view = views.get(node)
+        worst = view["worst_rank"] if view else None
+        busy_med = view["busy_ms_median"] if view else None
+        worst_busy = worst["busy_ms_median"] if worst else None
+        skew = None
+        if worst_busy is not None and busy_med:
+            skew = (worst_busy - busy_med) / busy_med * 100.0
+        out.append(
+            NodeRow(
+                node_rank=node,
+                hostname=rs[0].hostname,
+                ranks=len(rs),
+                median_ms=median(r.step_ms for r in rs),
+                worst_rank=worst["global_rank"] if worst else None,
+                worst_busy_ms=worst_busy,
+                busy_median_ms=busy_med,
+                skew_pct=skew,
+            )
+        )
+    # Worst first: slowest median, then (DDP: equal medians) most busy, largest skew; unmeasured last.
+    out.sort(
+        key=lambda n: (
+            n.median_ms is None,
+            -(n.median_ms or 0.0),
+            -(n.busy_median_ms or 0.0),
+            -(n.skew_pct or 0.0),
+            n.node_rank,
+        )
+    )
+    return out
+
+
+def with_analysis(ov: Overview, analysis: Analysis | None) -> Overview:
+    """``ov`` with the findings, node worst ranks and parallelism of ``analysis`` (no db read)."""
+    if analysis is None:
+        return ov
+    header = ov.header
+    if analysis.parallelism != header.parallelism and analysis.parallelism != "single":
+        header = replace(header, parallelism=analysis.parallelism)
+    return replace(
+        ov,
+        header=header,
+        nodes=nodes_from(ov.ranks, analysis),
+        verdicts=list(analysis.verdicts),
+        verdicts_available=analysis.available,
+    )
 
 
 # ---------------------------------------------------------------- the reader
@@ -336,10 +579,8 @@ class TuiData:
         window: int = WINDOW,
         series_points: int = SERIES_POINTS,
         clock: Any = None,
-        diagnose_every: int = 5,
+        slow_every: int = 5,
     ) -> None:
-        import os
-
         if not os.path.exists(path):
             raise DatabaseMissing(f"no TraceML database at {path!r} (start `traceml-daemon serve --db {path}`)")
         self.path = path
@@ -348,17 +589,20 @@ class TuiData:
         self.window = window
         self.series_points = series_points
         self.clock = clock if clock is not None else time.time
-        self.diagnose_every = max(1, diagnose_every)
+        # Things that change slowly (parallelism, the whole-run history series) are
+        # re-read on the first refresh and every ``slow_every``-th one after.
+        self.slow_every = max(1, slow_every)
         self._ranks: dict[int, _RankState] = {}
         self._session: tuple[str, int] | None = None
         self._steps_rowid = 0
         self._status_rowid = 0
         self._buckets: dict[tuple[Any, ...], _Buckets] = {}
         self._refreshes = 0
-        self._verdicts: list[Verdict] = []
-        self._verdicts_ok = False
         self._parallelism = "single"
         self._last_seen: float | None = None
+        self._history: bool | None = None  # unknown until the first read
+        self._span: history.RunSpan | None = None
+        self._hist_series: Series | None = None
 
     def close(self) -> None:
         self.con.close()
@@ -370,31 +614,26 @@ class TuiData:
         return row is not None
 
     def _load_ranks(self) -> None:
-        if not self._has_table("ranks"):
+        session = current_run(self.con)
+        if session is None:
             return
-        # The current run is the session/attempt of the most recently seen sender.
-        row = self.con.execute(
-            "SELECT session, attempt FROM ranks ORDER BY last_seen DESC, attempt DESC LIMIT 1"
-        ).fetchone()
-        if row is None:
-            return
-        session = (str(row[0]), int(row[1] or 0))
         if session != self._session:  # a restart: start over with the new attempt
             self._session = session
             self._ranks = {}
             self._buckets = {}
             self._steps_rowid = 0
             self._status_rowid = 0
-        new: list[_RankState] = []
+            self._span = None
+            self._hist_series = None
+            self._parallelism = "single"
         # Only senders not seen yet are read row by row; liveness needs just the newest last_seen.
         known = max(self._ranks, default=0)
+        new: list[_RankState] = []
         for r in self.con.execute(
-            "SELECT rank_id, global_rank, local_rank, node_rank, hostname, first_seen, last_seen, parallelism "
-            "FROM ranks WHERE session=? AND attempt=? AND rank_id>? ORDER BY global_rank",
+            "SELECT rank_id, global_rank, local_rank, node_rank, hostname, first_seen, last_seen "
+            f"FROM ranks r WHERE {_RUN_RANKS} ORDER BY global_rank",
             (*session, known),
         ):
-            if r[7]:
-                self._parallelism = str(r[7])
             st = _RankState(r[0], int(r[1] if r[1] is not None else r[0]), r[2], int(r[3] or 0), r[4], r[5], r[6])
             self._ranks[r[0]] = st
             new.append(st)
@@ -402,28 +641,25 @@ class TuiData:
             "SELECT MAX(last_seen) FROM ranks WHERE session=? AND attempt=?", session
         ).fetchone()[0]
         if new:
-            self._initial_windows(new)
+            self._initial_windows(session, known)
+        if new or self._refreshes % self.slow_every == 0:
+            # Models are reported after hello (hello often says "single"): re-read now and then.
+            self._parallelism = run_parallelism(self.con, RunRef(*session))
 
-    def _initial_windows(self, states: list[_RankState]) -> None:
-        cols = ", ".join(_STEP_COLS)
-        for st in states:
-            lo, hi = self.con.execute(
-                "SELECT MIN(step), MAX(step) FROM steps WHERE rank_id=?", (st.rank_id,)
-            ).fetchone()
-            st.first_step, st.last_step = lo, hi
-            if hi is None:
-                continue
-            for row in self.con.execute(
-                f"SELECT {cols} FROM steps WHERE rank_id=? AND step>? ORDER BY step", (st.rank_id, hi - self.window)
-            ):
-                st.window[row[0]] = row
-            srow = self.con.execute(
-                "SELECT ts, phase, phase_since, step, steps_done, finished FROM status WHERE rank_id=? "
-                "ORDER BY ts DESC LIMIT 1",
-                (st.rank_id,),
-            ).fetchone()
-            if srow is not None:
-                st.status = _status(srow)
+    def _initial_windows(self, session: tuple[str, int], after: int) -> None:
+        # Three statements for all new ranks, not three per rank.
+        for rid, lo, hi in read_bounds(self.con, session, after):
+            st = self._ranks.get(rid)
+            if st is not None:
+                st.first_step, st.last_step = lo, hi
+        for row in read_windows(self.con, session, self.window, after):
+            st = self._ranks.get(row[0])
+            if st is not None:
+                st.window[row[1]] = row[1:]
+        for row in read_status(self.con, session, after):
+            st = self._ranks.get(row[0])
+            if st is not None:
+                st.status = _status(row[1:])
         if not self._steps_rowid:
             self._steps_rowid = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM steps").fetchone()[0]
             self._status_rowid = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM status").fetchone()[0]
@@ -432,9 +668,10 @@ class TuiData:
         cols = ", ".join(_STEP_COLS)
         touched: set[int] = set()
         last = self._steps_rowid
+        ranks = self._ranks
         for row in self.con.execute(f"SELECT rowid, rank_id, {cols} FROM steps WHERE rowid>?", (self._steps_rowid,)):
             last = row[0]
-            st = self._ranks.get(row[1])
+            st = ranks.get(row[1])
             if st is None:
                 continue
             data = row[2:]
@@ -445,8 +682,8 @@ class TuiData:
             touched.add(row[1])
         self._steps_rowid = last
         for rid in touched:
-            st = self._ranks[rid]
-            st.medians = None
+            st = ranks[rid]
+            st.row = None
             if len(st.window) > self.window:
                 for step in sorted(st.window)[: len(st.window) - self.window]:
                     del st.window[step]
@@ -456,9 +693,10 @@ class TuiData:
             (self._status_rowid,),
         ):
             last = row[0]
-            st = self._ranks.get(row[1])
+            st = ranks.get(row[1])
             if st is not None and (st.status is None or row[2] >= st.status.ts):
                 st.status = _status(row[2:])
+                st.row = None
         self._status_rowid = last
 
     def _sync(self) -> None:
@@ -473,15 +711,12 @@ class TuiData:
     # ---- rows
 
     def _rank_row(self, st: _RankState) -> RankRow:
-        if st.medians is None:
-            # Transpose once; list comprehensions here are the hot loop at 4096 ranks.
-            cols = list(zip(*st.window.values(), strict=True))
-            step_ms = _ms(_median_col(cols[2]))
-            phases = {p: _ms(_median_col(cols[3 + i])) for i, p in enumerate(PHASES)}
-            st.medians = (step_ms, phases)
-        latest = st.window[st.last_step] if st.last_step in st.window else None
+        if st.row is not None:
+            return st.row
+        step_ms, phases = _medians(st.window.values())
+        latest = st.window.get(st.last_step) if st.last_step is not None else None
         steps = 0 if st.last_step is None or st.first_step is None else st.last_step - st.first_step + 1
-        return RankRow(
+        st.row = RankRow(
             rank_id=st.rank_id,
             global_rank=st.global_rank,
             local_rank=st.local_rank,
@@ -489,12 +724,13 @@ class TuiData:
             hostname=st.hostname,
             steps=steps,
             last_step=st.last_step,
-            step_ms=st.medians[0],
-            phase_ms=dict(st.medians[1]),
+            step_ms=step_ms,
+            phase_ms=phases,
             rss_bytes=latest[12] if latest else None,
             peak_bytes=latest[10] if latest else None,
             status_phase=st.status.phase if st.status else None,
         )
+        return st.row
 
     def _delivery(self) -> Delivery:
         counters: dict[str, dict[str, int]] = {}
@@ -517,15 +753,21 @@ class TuiData:
             counters=counters,
         )
 
-    def _header(self, rows: list[RankRow]) -> JobHeader:
+    def _header(self, span: history.RunSpan | None) -> JobHeader:
         states = list(self._ranks.values())
         now = self.clock()
         first = min((s.first_seen for s in states if s.first_seen is not None), default=None)
         last = self._last_seen
+        if span is not None:  # the history knows the run's first and last step times
+            first = span.first_ts if span.first_ts is not None else first
+            ends = [x for x in (last, span.last_ts) if x is not None]
+            last = max(ends) if ends else None
         finished = bool(states) and all(s.status is not None and s.status.finished for s in states)
-        live = not finished and last is not None and now - last < 30.0
+        live = not finished and self._last_seen is not None and now - self._last_seen < 30.0
         uptime = None if first is None else ((now if live else (last or first)) - first)
         latest = max((s.last_step for s in states if s.last_step is not None), default=None)
+        if span is not None and span.last_step is not None:
+            latest = span.last_step if latest is None else max(latest, span.last_step)
         return JobHeader(
             session=self._session[0] if self._session else "—",
             attempt=self._session[1] if self._session else 0,
@@ -537,6 +779,8 @@ class TuiData:
             uptime_s=uptime,
             live=live,
             delivery=self._delivery(),
+            first_step=span.first_step if span is not None else None,
+            history=span is not None,
         )
 
     @staticmethod
@@ -553,32 +797,8 @@ class TuiData:
         return None
 
     @staticmethod
-    def nodes_from(rows: list[RankRow]) -> list[NodeRow]:
-        by_node: dict[int, list[RankRow]] = {}
-        for r in rows:
-            by_node.setdefault(r.node_rank, []).append(r)
-        out: list[NodeRow] = []
-        for node, rs in by_node.items():
-            med = median(r.step_ms for r in rs)
-            measured = [r for r in rs if r.step_ms is not None]
-            worst = max(measured, key=lambda r: (r.step_ms, -r.global_rank)) if measured else None
-            skew = None
-            if worst is not None and med:
-                skew = (worst.step_ms - med) / med * 100.0  # type: ignore[operator]
-            out.append(
-                NodeRow(
-                    node_rank=node,
-                    hostname=rs[0].hostname,
-                    ranks=len(rs),
-                    median_ms=med,
-                    worst_rank=worst.global_rank if worst else None,
-                    worst_ms=worst.step_ms if worst else None,
-                    skew_pct=skew,
-                )
-            )
-        # Worst first: slowest node median, then largest skew; unmeasured last.
-        out.sort(key=lambda n: (n.median_ms is None, -(n.median_ms or 0.0), -(n.skew_pct or 0.0), n.node_rank))
-        return out
+    def nodes_from(rows: list[RankRow], analysis: Analysis | None = None) -> list[NodeRow]:
+        return nodes_from(rows, analysis)
 
     def _series(
         self, key: tuple[Any, ...], table: str, cols: Sequence[str], where: str, params: tuple[Any, ...]
@@ -593,69 +813,80 @@ class TuiData:
     def step_series(self, rank_id: int) -> Series:
         return self._series(("steps", rank_id), "steps", ("step_ns",), "rank_id=?", (rank_id,)).series(0, 1e-6)
 
-    # ---- diagnosis
+    # ---- whole-run history (v2)
 
-    def run_data(self) -> RunData:
-        """A RunData over the in-memory recent windows (bounded: ``window`` steps per rank)."""
-        ranks: list[RankData] = []
-        for st in sorted(self._ranks.values(), key=lambda s: s.global_rank):
-            rows = [st.window[k] for k in sorted(st.window)]
-            ranks.append(
-                RankData(
-                    global_rank=st.global_rank,
-                    local_rank=st.local_rank,
-                    node_rank=st.node_rank,
-                    hostname=st.hostname,
-                    steps=[r[0] for r in rows],
-                    step_ns=[r[2] for r in rows],
-                    phases_ns={p: [r[3 + i] for r in rows] for i, p in enumerate(PHASES)},
-                    comm_ns=[r[9] for r in rows],
-                    peak_bytes=[r[10] for r in rows],
-                    reserved_bytes=[r[11] for r in rows],
-                    rss_bytes=[r[12] for r in rows],
-                    step_ts=[r[1] for r in rows],
-                    status=st.status,
-                )
+    def _history_span(self, slow: bool) -> history.RunSpan | None:
+        """The run's span from the history tables, None on a v1 database or before any step.
+
+        ``run_span`` reads a few rows per node; its last step is then kept current
+        from the live tail, and it is re-read only on slow refreshes.
+        """
+        if self._history is None or (slow and not self._history):  # the daemon may migrate a v1 db
+            self._history = has_history(self.con)
+        if not self._history or self._session is None:
+            return None
+        if self._span is None or slow:
+            span = history.run_span(self.con, *self._session)
+            self._span = span if span.first_step is not None else None
+        if self._span is None:
+            return None
+        latest = max((s.last_step for s in self._ranks.values() if s.last_step is not None), default=None)
+        if latest is not None and (self._span.last_step is None or latest > self._span.last_step):
+            self._span = replace(self._span, last_step=latest)
+        return self._span
+
+    def _history_series(self, span: history.RunSpan, slow: bool) -> Series:
+        """The whole run's step time across ranks (mean per point), <= series_points points.
+
+        The history's levels are 64/1024/16384 steps, so asking for exactly
+        ``series_points`` often lands on the coarsest level (13 points for 200k
+        steps). Asking for up to 10x more picks a finer level, then the points
+        are averaged down here; the factor shrinks with the node count so the
+        read stays at a few thousand node_history rows.
+        """
+        if self._hist_series is None or slow:
+            assert self._session is not None
+            nnodes = max(1, len({s.node_rank for s in self._ranks.values()}))
+            width = self.series_points * max(1, min(10, 8192 // (nnodes * self.series_points)))
+            points = history.run_series(self.con, *self._session, width, span)
+            self._hist_series = downsample(
+                [float(p.last_step) if p.last_step is not None else 0.0 for p in points],
+                [p.mean_ms.get("step") for p in points],
+                self.series_points,
             )
-        states = list(self._ranks.values())
-        live = bool(states) and not all(s.status is not None and s.status.finished for s in states)
-        return RunData(ranks=ranks, parallelism=self._parallelism, now=self.clock() if live else None, live=live)
-
-    def _diagnose(self) -> None:
-        try:
-            from traceml_daemon.analysis.engine import diagnose  # lands separately; optional
-        except ImportError:
-            self._verdicts_ok = False
-            return
-        try:
-            verdicts = list(diagnose(self.run_data()))
-        except Exception as exc:  # a diagnosis bug must not take the UI down
-            verdicts = [Verdict("DIAGNOSIS_ERROR", "warn", {}, f"analysis failed: {exc.__class__.__name__}: {exc}")]
-        order = {"critical": 0, "warn": 1, "info": 2}
-        verdicts.sort(key=lambda v: order.get(v.severity, 3))
-        self._verdicts = verdicts
-        self._verdicts_ok = True
+        return self._hist_series
 
     # ---- public snapshots
 
-    def overview(self) -> Overview:
-        self._sync()
-        rows = [self._rank_row(st) for st in sorted(self._ranks.values(), key=lambda s: s.global_rank)]
-        series_rank = rows[0] if rows else None
-        series = self.step_series(series_rank.rank_id) if series_rank else Series()
-        # Diagnosis is the costly part at scale: run it on the first refresh and every Nth after.
-        if self._refreshes % self.diagnose_every == 0:
-            self._diagnose()
+    def overview(self, analysis: Analysis | None = None) -> Overview:
+        """One refresh of the overview; ``analysis`` (from ``Analyzer``) fills findings and worst ranks."""
+        slow = self._refreshes % self.slow_every == 0
+        self.con.execute("BEGIN")
+        try:
+            self._load_ranks()
+            self._tail()
+            span = self._history_span(slow)
+            series: Series | None = self._history_series(span, slow) if span is not None else None
+        finally:
+            self.con.execute("COMMIT")
         self._refreshes += 1
-        return Overview(
-            header=self._header(rows),
+        rows = [self._rank_row(st) for st in sorted(self._ranks.values(), key=lambda s: s.global_rank)]
+        if series is not None and series.values:
+            label = "step, all ranks, whole run"
+        else:
+            first = rows[0] if rows else None
+            series = self.step_series(first.rank_id) if first else Series()
+            label = f"step r{first.global_rank}" if first else "step"
+        ov = Overview(
+            header=self._header(span),
             ranks=rows,
-            nodes=self.nodes_from(rows),
+            nodes=nodes_from(rows),
             step_series=series,
-            series_rank=series_rank.global_rank if series_rank else None,
-            verdicts=list(self._verdicts),
-            verdicts_available=self._verdicts_ok,
+            series_label=label,
+            verdicts=[],
+            verdicts_available=False,
         )
+        return with_analysis(ov, analysis)
 
     def node_detail(self, node_rank: int) -> NodeDetail | None:
         self._sync()

@@ -6,7 +6,7 @@ Screens never touch the database: the app's refresh worker reads a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,81 @@ def fill_table(table: DataTable[Any], rows: Sequence[tuple[str, tuple[Any, ...]]
             table.move_cursor(row=keys.index(current), animate=False)
 
 
+class PagedTable(DataTable[Any]):
+    """A DataTable holding one page of a longer row list.
+
+    DataTable measures every cell of a new row (about 1.3 s for 4096 ranks) and
+    each in-place update is Python work, so only ``page`` rows live in the
+    widget. Moving the cursor past the page's edge (arrows, PgUp/PgDn,
+    Ctrl+Home/End) loads the page around the target row; keys stay the
+    caller's, so selection and jumps work as before.
+    """
+
+    def __init__(self, *, page: int = 100, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.page_rows = max(2, page)
+        self.first_row = 0  # index in ``all_rows`` of the table's first row
+        self.all_rows: Sequence[Any] = []
+        self._cells: Callable[[Any], tuple[str, tuple[Any, ...]]] = lambda row: row
+
+    def set_rows(self, rows: Sequence[Any], cells: Callable[[Any], tuple[str, tuple[Any, ...]]] | None = None) -> None:
+        """``rows``: items, turned into (key, cells) by ``cells`` for the shown page only
+        (formatting 4096 rows of cells every refresh costs more than showing them)."""
+        self.all_rows = rows
+        if cells is not None:
+            self._cells = cells
+        self.first_row = max(0, min(self.first_row, len(self.all_rows) - self.page_rows))
+        self._fill()
+
+    def _fill(self) -> None:
+        page = self.all_rows[self.first_row : self.first_row + self.page_rows]
+        fill_table(self, [self._cells(row) for row in page])
+
+    def _goto(self, index: int) -> bool:
+        """Put the cursor on ``all_rows[index]``, loading its page; False when it is already loaded."""
+        index = max(0, min(index, len(self.all_rows) - 1))
+        if self.first_row <= index < self.first_row + self.row_count:
+            return False
+        self.first_row = max(0, min(index - self.page_rows // 2, len(self.all_rows) - self.page_rows))
+        self._fill()
+        self.move_cursor(row=index - self.first_row, animate=False)
+        return True
+
+    def _step(self, delta: int) -> bool:
+        return self._goto(self.first_row + self.cursor_row + delta)
+
+    def action_cursor_down(self) -> None:
+        if not self._step(1):
+            super().action_cursor_down()
+
+    def action_cursor_up(self) -> None:
+        if not self._step(-1):
+            super().action_cursor_up()
+
+    def action_page_down(self) -> None:
+        if not self._step(max(1, self.scrollable_content_region.height - 1)):
+            super().action_page_down()
+
+    def action_page_up(self) -> None:
+        if not self._step(-max(1, self.scrollable_content_region.height - 1)):
+            super().action_page_up()
+
+    def action_scroll_top(self) -> None:
+        if not self._goto(0):
+            super().action_scroll_top()
+
+    def action_scroll_bottom(self) -> None:
+        if not self._goto(len(self.all_rows) - 1):
+            super().action_scroll_bottom()
+
+    def window_label(self) -> str:
+        """The " (rows a–b of n, ...)" suffix for the table's title when paged, else ""."""
+        n = len(self.all_rows)
+        if n <= self.page_rows:
+            return ""
+        return f" (rows {self.first_row + 1}–{self.first_row + self.row_count} of {n}, PgDn/PgUp)"
+
+
 def rank_cells(r: RankRow, with_node: bool = True) -> tuple[Any, ...]:
     cells: list[Any] = [f"r{r.global_rank}"]
     if with_node:
@@ -134,11 +209,12 @@ class OverviewScreen(Screen[None]):
             yield SparkList(label_width=11, id="spark")
             yield RankGrid(id="grid")
             yield Static("Nodes (worst first) — Enter: node", classes="section")
-            nodes: DataTable[Any] = DataTable(id="nodes", cursor_type="row", zebra_stripes=True)
-            nodes.add_columns("node", "host", "ranks", "median ms", "worst", "worst ms", "skew")
+            nodes = PagedTable(id="nodes", cursor_type="row", zebra_stripes=True)
+            # worst = the node's rank with the most busy time (step minus all-reduce wait), as in summary.
+            nodes.add_columns("node", "host", "ranks", "median ms", "worst", "busy ms", "skew")
             yield nodes
-            yield Static("Ranks — Enter: rank", classes="section")
-            ranks: DataTable[Any] = DataTable(id="ranks", cursor_type="row", zebra_stripes=True)
+            yield Static("Ranks — Enter: rank", classes="section", id="ranks_title")
+            ranks = PagedTable(id="ranks", cursor_type="row", zebra_stripes=True)
             ranks.add_columns(*rank_columns())
             yield ranks
         yield Footer()
@@ -169,6 +245,8 @@ class OverviewScreen(Screen[None]):
         head.append(f"{h.session}", style="bold")
         head.append(f"  {h.nnodes} nodes × {h.world_size} ranks  {h.parallelism}  ")
         head.append(f"step {h.latest_step if h.latest_step is not None else ABSENT}", style="bold")
+        if h.history and h.first_step is not None:
+            head.append(f" (run {h.first_step}–{h.latest_step})")
         head.append(f"  {fmt_num(h.steps_per_s, ' steps/s', 1)}  up {fmt_duration(h.uptime_s)}\n")
         head.append(f"{state}  ", style="bold green" if h.live else "bold")
         delivery_style = "bold red" if d.dropped else "green"
@@ -187,11 +265,11 @@ class OverviewScreen(Screen[None]):
             more = f"  (+{len(ov.verdicts) - 1} more: v)" if len(ov.verdicts) > 1 else "  (v: details)"
             banner.update(verdict_text(ov.verdicts[0]).append(more, style="dim"))
         last = ov.step_series.last()
-        label = f"step r{ov.series_rank}" if ov.series_rank is not None else "step"
-        self.query_one("#spark", SparkList).set_lines([(label, ov.step_series.values, f"{fmt_ms(last)} ms", "#4fc3f7")])
+        self.query_one("#spark", SparkList).set_lines(
+            [(ov.series_label, ov.step_series.values, f"{fmt_ms(last)} ms", "#4fc3f7")]
+        )
         self._grid(ov)
-        fill_table(
-            self.query_one("#nodes", DataTable),
+        self.query_one("#nodes", PagedTable).set_rows(
             [
                 (
                     str(n.node_rank),
@@ -201,14 +279,16 @@ class OverviewScreen(Screen[None]):
                         str(n.ranks),
                         fmt_ms(n.median_ms),
                         ABSENT if n.worst_rank is None else f"r{n.worst_rank}",
-                        fmt_ms(n.worst_ms),
+                        fmt_ms(n.worst_busy_ms),
                         fmt_num(n.skew_pct, "%", 1),
                     ),
                 )
                 for n in ov.nodes
             ],
         )
-        fill_table(self.query_one("#ranks", DataTable), [(str(r.global_rank), rank_cells(r)) for r in ov.ranks])
+        ranks = self.query_one("#ranks", PagedTable)
+        ranks.set_rows(ov.ranks, lambda r: (str(r.global_rank), rank_cells(r)))
+        self.query_one("#ranks_title", Static).update("Ranks — Enter: rank" + ranks.window_label())
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         key = event.row_key.value
@@ -433,7 +513,9 @@ TraceML — keys
   ?              this help
   q              quit
 
-Values are medians over each rank's recent steps; — means not measured."""
+Values are medians over each rank's recent steps; — means not measured.
+A node's worst rank is the one with the most busy time (step minus wait):
+under DDP every rank reports the same step time."""
 
 
 class HelpScreen(ModalScreen[None]):

@@ -193,12 +193,23 @@ class RankGrid(Widget):
             value = max(measured) if measured else None
             label = f"r{chunk[0][0]} {fmt_ms(value)}" if cell == 9 else ""
             cells.append((label, value))
+        # Neighbouring cells of one colour are appended as one span: at 4096 ranks
+        # that is a few hundred spans to render instead of thousands.
+        run_text, run_style = "", ""
         for i, (label, value) in enumerate(cells):
+            style = heat_style(value, ref)
+            text = label[: cell - 1].ljust(cell - 1) + " " if cell == 9 else " " * cell
             if i and i % per_row == 0:
+                out.append(run_text, style=run_style)
                 out.append("\n")
-            out.append(
-                label[: cell - 1].ljust(cell - 1) + " " if cell == 9 else " " * cell, style=heat_style(value, ref)
-            )
+                run_text, run_style = "", ""
+            if style != run_style and run_text:
+                out.append(run_text, style=run_style)
+                run_text = ""
+            run_text += text
+            run_style = style
+        if run_text:
+            out.append(run_text, style=run_style)
         out.append("\n")
         legend = Text()
         for label, style in (

@@ -30,11 +30,12 @@ def make_app(db: str) -> TraceApp:
 
 
 async def settle(pilot: Pilot[None], n: int = 1) -> None:
-    """Wait until at least ``n`` refreshes completed and no read is in flight."""
+    """Wait until at least ``n`` refreshes completed and no read or analysis is in flight."""
     app = pilot.app
     assert isinstance(app, TraceApp)
     for _ in range(500):
-        if app.refresh_count >= n and not app._busy and not app._pending:
+        idle = not app._busy and not app._pending and not app._analysis_due and not app._analyzing
+        if app.refresh_count >= n and idle:
             break
         await pilot.pause(0.01)
     await app.workers.wait_for_complete()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from traceml_daemon.tui.screens import (
     JumpScreen,
     NodeScreen,
     OverviewScreen,
+    PagedTable,
     RankScreen,
     VerdictsScreen,
 )
@@ -161,3 +163,48 @@ def test_tui_package_imports_no_torch() -> None:
 
     code = "import sys, traceml_daemon.tui.app, traceml_daemon.tui.data; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@asynctest
+async def test_node_table_names_the_busiest_rank_and_header_the_models_parallelism(tmp_path: Path) -> None:
+    # The demo's case: DDP (agents said "single" at hello), slow rank r3 on n1 by busy time.
+    db = build(str(tmp_path / "ddp.db"), SynthSpec(parallelism="ddp", straggler=3))
+    rw = sqlite3.connect(db)
+    rw.execute("UPDATE ranks SET parallelism='single'")
+    rw.commit()
+    rw.close()
+    app = make_app(db)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        assert app.analysis_count >= 1
+        assert "  ddp  " in _text(app.screen, "#header")
+        nodes = app.screen.query_one("#nodes", DataTable)
+        rows = {str(nodes.get_row_at(i)[0]): [str(c) for c in nodes.get_row_at(i)] for i in range(nodes.row_count)}
+        assert rows["n1"][4] == "r3" and rows["n1"][5] == "42.2"  # busy = step - wait: 43.2 - 1.0
+        assert rows["n0"][4] in ("r0", "r1") and rows["n0"][5] == "38.2"
+        assert str(nodes.get_row_at(0)[0]) == "n1"  # the busier node first
+
+
+@asynctest
+async def test_ranks_table_pages_long_runs(tmp_path: Path) -> None:
+    db = build(str(tmp_path / "p.db"), SynthSpec(nnodes=30, ranks_per_node=10, steps=3, with_detail=False))
+    app = make_app(db)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        ranks = app.screen.query_one("#ranks", PagedTable)
+        assert len(ranks.all_rows) == 300 and ranks.row_count == ranks.page_rows < 300
+        assert "of 300" in _text(app.screen, "#ranks_title")
+        ranks.focus()
+        await pilot.press("ctrl+end")
+        assert ranks.coordinate_to_cell_key(ranks.cursor_coordinate).row_key.value == "299"
+        await pilot.press("up")
+        assert ranks.coordinate_to_cell_key(ranks.cursor_coordinate).row_key.value == "298"
+        await pilot.press("ctrl+home")
+        assert ranks.coordinate_to_cell_key(ranks.cursor_coordinate).row_key.value == "0"
+        for _ in range(ranks.page_rows):  # walk down past the first page's edge
+            await pilot.press("down")
+        key = ranks.coordinate_to_cell_key(ranks.cursor_coordinate).row_key.value
+        assert key == str(ranks.page_rows)
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, RankScreen) and app.screen.global_rank == ranks.page_rows

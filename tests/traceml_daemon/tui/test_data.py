@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from traceml_daemon.tui.data import DatabaseMissing, TuiData, _Buckets, downsample, median
+from traceml_daemon.store.schema import MIGRATIONS
+from traceml_daemon.tui.data import (
+    Analyzer,
+    DatabaseMissing,
+    TuiData,
+    _Buckets,
+    _medians,
+    downsample,
+    load_window_run,
+    median,
+    with_analysis,
+)
 from traceml_daemon.tui.synth import SynthSpec, build, step_row
 from traceml_daemon.tui.widgets import resample
 
@@ -89,3 +100,112 @@ def test_incremental_tail_sees_new_steps(tui_db: str) -> None:
 def test_missing_db_names_path(tmp_path: Path) -> None:
     with pytest.raises(DatabaseMissing, match="nope.db"):
         TuiData(str(tmp_path / "nope.db"))
+
+
+# ---- parallelism, worst rank, history, set-based reads
+
+
+def _ddp_db(tmp_path: Path, straggler: int, hello: str = "single") -> str:
+    """A DDP run whose agents said ``hello`` at hello time (before the model was seen)."""
+    db = build(str(tmp_path / "ddp.db"), SynthSpec(parallelism="ddp", straggler=straggler))
+    rw = sqlite3.connect(db)
+    rw.execute("UPDATE ranks SET parallelism=?", (hello,))
+    rw.commit()
+    rw.close()
+    return db
+
+
+def test_header_parallelism_comes_from_the_models_table(tmp_path: Path) -> None:
+    db = _ddp_db(tmp_path, straggler=3)
+    assert TuiData(db).overview().header.parallelism == "ddp"
+    rw = sqlite3.connect(db)
+    rw.execute("DELETE FROM models")
+    rw.commit()
+    rw.close()
+    assert TuiData(db).overview().header.parallelism == "single"  # nothing but the hello left
+
+
+@pytest.mark.parametrize(("straggler", "node", "other"), [(3, 1, 0), (1, 0, 1)])
+def test_node_worst_rank_is_the_busiest_as_in_node_views(tmp_path: Path, straggler: int, node: int, other: int) -> None:
+    from traceml_daemon.analysis.nodes import node_views
+
+    db = _ddp_db(tmp_path, straggler)
+    data = TuiData(db)
+    plain = data.overview()
+    # Under DDP every rank reports the same step time: step time cannot name the straggler.
+    assert len({r.step_ms for r in plain.ranks}) == 1
+    assert all(n.worst_rank is None for n in plain.nodes)  # unknown until analysed, never guessed
+    analyzer = Analyzer(db)
+    analysis = analyzer.run()
+    ov = data.overview(analysis)
+    nodes = {n.node_rank: n for n in ov.nodes}
+    assert nodes[node].worst_rank == straggler
+    ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    expected = {v["node_rank"]: v for v in node_views(load_window_run(ro))}
+    assert nodes[node].worst_busy_ms == expected[node]["worst_rank"]["busy_ms_median"]
+    assert nodes[node].worst_busy_ms is not None and nodes[other].worst_busy_ms is not None
+    assert nodes[node].worst_busy_ms > nodes[other].worst_busy_ms  # fwd +4 ms, wait -4 ms
+    assert nodes[node].skew_pct is not None and nodes[node].skew_pct > 0
+    assert ov.nodes[0].node_rank == node  # equal step medians: the busier node sorts first
+    assert ov.header.parallelism == "ddp"
+    # with_analysis merges without reading: the same rows as a fresh overview.
+    assert with_analysis(plain, analysis).nodes == ov.nodes
+
+
+def _to_v2(db: str, keep_last: int) -> None:
+    """Apply the v2 migration (backfills history from raw steps), then drop old raw steps
+    the way retention does, so only the history knows the start of the run."""
+    rw = sqlite3.connect(db)
+    for stmt in MIGRATIONS[1]:
+        rw.execute(stmt)
+    (hi,) = rw.execute("SELECT MAX(step) FROM steps").fetchone()
+    rw.execute("DELETE FROM steps WHERE step <= ?", (hi - keep_last,))
+    rw.commit()
+    rw.close()
+
+
+def test_overview_series_and_span_cover_the_whole_run_from_history(tmp_path: Path) -> None:
+    db = build(str(tmp_path / "h.db"), SynthSpec(steps=5000, with_detail=False))
+    v1 = TuiData(db).overview()
+    assert v1.header.history is False and v1.series_label == "step r0"
+    _to_v2(db, keep_last=64)
+    data = TuiData(db, series_points=50)
+    ov = data.overview()
+    assert ov.header.history is True
+    assert (ov.header.first_step, ov.header.latest_step) == (0, 4999)
+    assert "whole run" in ov.series_label
+    s = ov.step_series
+    assert 10 <= len(s.values) <= 50
+    assert s.steps[0] < 1000 and s.steps[-1] == 4999  # starts where raw rows no longer exist
+    assert all(v == pytest.approx(43.2, abs=0.3) for v in s.values)  # every rank's step is 43.0-43.4 ms
+    # Medians still come from the newest raw steps; ranks keep their identity.
+    assert [r.global_rank for r in ov.ranks] == [0, 1, 2, 3]
+    assert ov.ranks[3].phase_ms["forward"] == pytest.approx(14.0)
+
+
+def test_first_load_is_set_based(tmp_path: Path) -> None:
+    """The number of statements for the first overview does not grow with the ranks."""
+
+    def statements(world: int) -> int:
+        db = build(
+            str(tmp_path / f"s{world}.db"), SynthSpec(nnodes=world // 4, ranks_per_node=4, steps=40, with_detail=False)
+        )
+        data = TuiData(db)
+        seen: list[str] = []
+        data.con.set_trace_callback(seen.append)
+        ov = data.overview()
+        assert len(ov.ranks) == world and all(r.step_ms is not None for r in ov.ranks)
+        return len(seen)
+
+    assert statements(4) == statements(64)
+
+
+def test_medians_ignore_absent_values() -> None:
+    rows = [step_row(1, 0, s, None)[1:] for s in range(3)]
+    rows = [r[:3] + (None,) + r[4:] for r in rows]  # dataloader never measured
+    rows[0] = rows[0][:2] + (None,) + rows[0][3:]  # one step time missing
+    step_ms, phases = _medians(rows)
+    assert phases["dataloader"] is None
+    assert step_ms is not None and phases["forward"] == pytest.approx(10.0)
+    one = [rows[0][:3] + (None,) + rows[0][4:]]
+    assert _medians(one)[1]["dataloader"] is None  # a lone None sorts without raising
