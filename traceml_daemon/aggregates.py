@@ -49,16 +49,17 @@ class RankWindow:
             return
         self.steps_seen += n
         self.dirty = True
-        # Whole-column deque.extend instead of a Python loop per row: this runs
-        # for every committed step row, on the event loop.
-        valid = [s for s in steps if isinstance(s, int)]
+        # Whole-column C-level passes (max, deque.extend) instead of a Python loop
+        # per row: this runs for every committed step row, on the event loop.
+        # Decoded columns hold ints (or None), so max() needs only the Nones gone.
+        valid = [s for s in steps if s is not None] if None in steps else steps
         if valid:
             top = max(valid)
             if self.last_step is None or top >= self.last_step:
                 self.last_step = top
                 ts = cols.get("ts")
                 if ts:
-                    stamps = [t for t in ts if t is not None]
+                    stamps = [t for t in ts if t is not None] if None in ts else ts
                     if stamps:
                         self.last_ts = max(stamps)
         _extend(self.step_ns, cols.get("step_ns"))

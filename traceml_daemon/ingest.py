@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 from traceml_wire.errors import ProtocolError
-from traceml_wire.tables import TABLES, columns, decode_body
+from traceml_wire.tables import TABLES, columns, decode_columns
 
 log = logging.getLogger("traceml_daemon.ingest")
 
@@ -64,19 +65,32 @@ class RankState:
 class Plan:
     """Everything one transaction writes."""
 
-    rows: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    # table -> parameters of all its rows, flat and row-major ((rank_id, *columns) per row):
+    # built with one C-level pass per table and batch, and sliced straight into
+    # multi-row INSERT statements without a tuple per row.
+    flat: dict[str, list[Any]] = field(default_factory=dict)
+    row_counts: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # sender -> RANK_COLUMNS row
     relay_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # relay sender -> counters
     agent_drops: dict[str, dict[str, int]] = field(default_factory=dict)  # agent sender -> source -> count
-    steps_by_rank: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # for live aggregates
+    steps_by_rank: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # for history and aggregates
     rows_stored: int = 0
     duplicates_discarded: int = 0
     bad_bodies: int = 0
     high_water: dict[str, RankState] = field(default_factory=dict)
+    # sender -> (session, identity, node, now) of its latest item; the ranks row is built
+    # once per sender and transaction (in ``Ingestor.staged``), not once per batch.
+    rank_sources: dict[str, tuple[str | None, dict[str, Any], dict[str, Any], float]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not (self.rows or self.ranks or self.relay_stats or self.agent_drops)
+        return not (self.flat or self.ranks or self.rank_sources or self.relay_stats or self.agent_drops)
+
+    def rows(self, table: str) -> list[tuple[Any, ...]]:
+        """The rows of ``table`` as tuples (tests and tools; the writer uses ``flat``)."""
+        flat = self.flat.get(table, [])
+        width = len(TABLE_COLUMNS[table]) + 1
+        return [tuple(flat[i : i + width]) for i in range(0, len(flat), width)]
 
 
 @dataclass(frozen=True)
@@ -95,11 +109,33 @@ def parse_agent_sender(sender: str) -> SenderId | None:
     return SenderId(match["session"], int(match["attempt"]), int(match["node"]), int(match["rank"]))
 
 
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: columns(name) for name in TABLES}
+_STEP_COLUMNS = TABLE_COLUMNS["steps"]
+_DROP_SOURCE = TABLE_COLUMNS["drops"].index("source")
+_DROP_COUNT = TABLE_COLUMNS["drops"].index("count")
+
+
+@dataclass
+class _RankTemplate:
+    """What a ranks row says besides its ids and times, cached per sender: the
+    identity a relay forwards is the same batch after batch."""
+
+    session: str | None
+    identity: dict[str, Any]
+    node: dict[str, Any]
+    middle: tuple[Any, ...]  # RANK_COLUMNS[1:-3]
+    global_rank: int | None
+    node_rank: int | None
+    run_session: str
+    attempt: int
+
+
 class Ingestor:
     def __init__(self, known: dict[str, RankState] | None = None, next_rank_id: int = 1) -> None:
         self.known: dict[str, RankState] = dict(known or {})
         self.pending: dict[str, RankState] = {}  # staged, not yet committed
         self.next_rank_id = next_rank_id
+        self._templates: dict[str, _RankTemplate] = {}
 
     def last_seq(self, sender: str) -> int:
         state = self.known.get(sender)
@@ -120,36 +156,44 @@ class Ingestor:
         """Add one (validated) rbatch to ``plan``."""
         if stats:
             plan.relay_stats.setdefault(relay_sender, {}).update(stats)
+        high_water, pending, known = plan.high_water, self.pending, self.known
+        sources = plan.rank_sources
         for sender, seq, body in items:
-            state = plan.high_water.get(sender) or self.pending.get(sender) or self.known.get(sender)
-            if state is not None and seq <= state.last_seq:
-                plan.duplicates_discarded += 1
-                continue
-            if state is None:
-                state = RankState(rank_id=self.next_rank_id, last_seq=0)
-                self.next_rank_id += 1
+            state = high_water.get(sender)
+            if state is not None:
+                # Already this plan's own (not yet shared with ``pending``): advance in place.
+                if seq <= state.last_seq:
+                    plan.duplicates_discarded += 1
+                    continue
+                state.last_seq = seq
+            else:
+                prior = pending.get(sender) or known.get(sender)
+                if prior is not None and seq <= prior.last_seq:
+                    plan.duplicates_discarded += 1
+                    continue
+                if prior is None:
+                    state = RankState(rank_id=self.next_rank_id, last_seq=seq)
+                    self.next_rank_id += 1
+                else:
+                    state = RankState(prior.rank_id, seq, prior.global_rank, prior.node_rank, prior.session, prior.attempt)
+                high_water[sender] = state
             # Seqs advance even when the body is bad: a resend would be equally
             # bad, and refusing it forever would wedge the relay's buffer.
-            state = RankState(state.rank_id, seq, state.global_rank, state.node_rank, state.session, state.attempt)
-            plan.high_water[sender] = state
-            plan.ranks[sender] = self._rank_row(state, sender, session, peers.get(sender, {}), node, now)
+            sources[sender] = (session, peers.get(sender) or {}, node, now)
             try:
-                tables = decode_body(body)
+                tables = decode_columns(body)
             except ProtocolError as exc:
                 plan.bad_bodies += 1
                 log.warning("discarding a bad batch body from %s seq %d: %s", sender, seq, exc)
                 continue
             self._add_tables(plan, state.rank_id, sender, tables)
 
-    def _rank_row(
-        self,
-        state: RankState,
-        sender: str,
-        session: str | None,
-        identity: dict[str, Any],
-        node: dict[str, Any],
-        now: float,
-    ) -> tuple[Any, ...]:
+    def _template(
+        self, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
+    ) -> _RankTemplate:
+        cached = self._templates.get(sender)
+        if cached is not None and cached.session == session and cached.identity == identity and cached.node == node:
+            return cached
         parsed = parse_agent_sender(sender)
         # The sender id is the agent's own statement of its session; the relay's
         # hello session is the fallback for senders of another shape.
@@ -164,44 +208,59 @@ class Ingestor:
         for key in ("node_rank", "hostname"):
             if values.get(key) is None and node.get(key) is not None:
                 values[key] = node[key]
-        state.global_rank = values.get("global_rank")
-        state.node_rank = values.get("node_rank")
-        state.session = sess
-        state.attempt = attempt if isinstance(attempt, int) else 0
-        values.update(
-            rank_id=state.rank_id,
-            sender=sender,
-            session=sess,
-            attempt=attempt,
-            first_seen=now,
-            last_seen=now,
-            last_seq=state.last_seq,
+        values.update(sender=sender, session=sess, attempt=attempt)
+        template = _RankTemplate(
+            session=session,
+            identity=identity,
+            node=node,
+            middle=tuple(values.get(col) for col in RANK_COLUMNS[1:-3]),
+            global_rank=values.get("global_rank"),
+            node_rank=values.get("node_rank"),
+            run_session=sess,
+            attempt=attempt if isinstance(attempt, int) else 0,
         )
-        return tuple(values.get(col) for col in RANK_COLUMNS)
+        self._templates[sender] = template
+        return template
 
     @staticmethod
-    def _add_tables(plan: Plan, rank_id: int, sender: str, tables: dict[str, dict[str, list[Any]]]) -> None:
+    def _add_tables(plan: Plan, rank_id: int, sender: str, tables: dict[str, list[list[Any]]]) -> None:
         for name, cols in tables.items():
-            order = columns(name)
-            n = len(cols[order[0]])
-            if n == 0:
-                continue
-            rid = [rank_id] * n
-            plan.rows.setdefault(name, []).extend(zip(rid, *(cols[c] for c in order), strict=True))
+            n = len(cols[0])  # decode_columns drops empty tables
+            flat = plan.flat.get(name)
+            if flat is None:
+                flat = plan.flat[name] = []
+                plan.row_counts[name] = 0
+            # zip reuses its result tuple when chain drops it at once: no tuple per row
+            # survives. Not strict: repeat() is endless, and decode checked the lengths.
+            flat.extend(chain.from_iterable(zip(repeat(rank_id), *cols, strict=False)))
+            plan.row_counts[name] += n
             plan.rows_stored += n
             if name == "steps":
-                acc = plan.steps_by_rank.setdefault(rank_id, {c: [] for c in order})
-                for c in order:
-                    acc[c].extend(cols[c])
+                acc = plan.steps_by_rank.get(rank_id)
+                if acc is None:
+                    # The decoded lists are ours alone: keep them, extend them with later batches.
+                    plan.steps_by_rank[rank_id] = dict(zip(_STEP_COLUMNS, cols, strict=True))
+                else:
+                    for have, more in zip(acc.values(), cols, strict=True):
+                        have.extend(more)
             elif name == "drops":
                 # Cumulative counters: the latest value per source wins.
                 drops = plan.agent_drops.setdefault(sender, {})
-                for source, count in zip(cols["source"], cols["count"], strict=True):
+                for source, count in zip(cols[_DROP_SOURCE], cols[_DROP_COUNT], strict=True):
                     if isinstance(source, str) and isinstance(count, int):
                         drops[source] = max(drops.get(source, 0), count)
 
     def staged(self, plan: Plan) -> None:
-        """``plan`` is on its way to the database: later plans dedup against it."""
+        """``plan`` is on its way to the database: later plans dedup against it.
+
+        Also builds its ranks rows: one per sender, from its latest batch."""
+        for sender, (session, identity, node, now) in plan.rank_sources.items():
+            state = plan.high_water[sender]
+            t = self._template(sender, session, identity, node)
+            state.global_rank, state.node_rank = t.global_rank, t.node_rank
+            state.session, state.attempt = t.run_session, t.attempt
+            plan.ranks[sender] = (state.rank_id, *t.middle, now, now, state.last_seq)
+        plan.rank_sources.clear()
         self.pending.update(plan.high_water)
 
     def commit(self, plan: Plan) -> None:
@@ -215,7 +274,6 @@ class Ingestor:
         # Every staged plan after it deduplicated against it, so all pending marks go.
         plan.high_water.clear()
         self.pending.clear()
-
 
 def insert_sql(table: str) -> str:
     cols = ("rank_id", *columns(table))

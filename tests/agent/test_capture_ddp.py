@@ -21,6 +21,16 @@ MS = 1_000_000
 STEPS = 4
 
 
+
+def _finish() -> None:
+    """End a spawned worker. Its results are already on disk. Plain FSDP2 on gloo
+    (no TraceML involved) aborts in about 1 exit in 8 here with "terminate called
+    without an active exception" from a C++ destructor at interpreter teardown,
+    so skip the teardown instead of letting that torch bug fail the test."""
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,7 +98,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     result = {"tables": tables, "same_params": same, "parallelism": tracer.parallelism()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     tracer.uninstall()
-    dist.destroy_process_group()
+    _finish()
 
 
 def _fsdp_worker(rank: int, port: int, out: str) -> None:
@@ -124,7 +134,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     results["parallelism"] = tracer.parallelism()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     tracer.uninstall()
-    dist.destroy_process_group()
+    _finish()
 
 
 def _spawn(worker: Any, tmp_path: Path) -> list[dict[str, Any]]:
@@ -235,7 +245,7 @@ def _hang_worker(rank: int, port: int, out: str, stuck: Any, release: Any) -> No
     seen["after"] = tracer.status()
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     tracer.uninstall()
-    dist.destroy_process_group()
+    _finish()
 
 
 def test_status_shows_wait_on_the_rank_waiting_for_a_hung_peer(tmp_path: Path) -> None:

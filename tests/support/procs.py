@@ -112,7 +112,8 @@ class DaemonProcess:
         self.stop(signal.SIGKILL)
 
     def __enter__(self) -> DaemonProcess:
-        return self.start()
+        # Also used as `with DaemonProcess(...).start() as d:`: never start a second one.
+        return self if self.proc is not None and self.proc.poll() is None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -27,10 +27,9 @@ Reading side: ``overview(conn, run, width)`` and the ``*_series`` functions.
 from __future__ import annotations
 
 import math
-import random
 import sqlite3
 import statistics
-from bisect import bisect_right
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,12 +68,17 @@ def merge_into(acc: Stats, other: Stats) -> None:
 
 
 def _stats_of(cols: dict[str, list[Any]], steps: list[int], idx: slice | list[int]) -> Stats:
-    """Stats of the rows ``idx`` selects (a slice when rows are in step order)."""
+    """Stats of the rows ``idx`` selects (a slice when rows are in step order).
+
+    Every figure is a C-level pass over a column slice (min, max, sum), so the
+    cost is per bucket and metric, not per row."""
 
     def pick(values: list[Any]) -> list[Any]:
         return values[idx] if isinstance(idx, slice) else [values[i] for i in idx]
 
-    ts = [t for t in pick(cols["ts"]) if t is not None]
+    ts = pick(cols["ts"])
+    if None in ts:
+        ts = [t for t in ts if t is not None]
     sel = pick(steps)
     out: Stats = [len(sel), min(sel), max(sel), max(ts) if ts else None]
     for name in _METRIC_COLS:
@@ -90,25 +94,28 @@ def _stats_of(cols: dict[str, list[Any]], steps: list[int], idx: slice | list[in
 
 def _groups(steps: list[int], size: int) -> Iterable[tuple[int, slice | list[int]]]:
     """(bucket, rows) for the finest level; slices when steps arrive in order (the usual case)."""
-    buckets = [s // size for s in steps]
-    if buckets == sorted(buckets):
-        start = 0
-        while start < len(buckets):
-            end = bisect_right(buckets, buckets[start], start)
-            yield buckets[start], slice(start, end)
+    if steps == sorted(steps):  # C-level; linear on sorted input
+        # One bisect per bucket instead of a division per row.
+        start, n = 0, len(steps)
+        while start < n:
+            bucket = steps[start] // size
+            end = bisect_left(steps, (bucket + 1) * size, start)
+            yield bucket, slice(start, end)
             start = end
         return
     by: dict[int, list[int]] = {}
-    for i, b in enumerate(buckets):
-        by.setdefault(b, []).append(i)
+    for i, s in enumerate(steps):
+        by.setdefault(s // size, []).append(i)
     yield from by.items()
 
 
 def bucket_deltas(steps_by_rank: dict[int, dict[str, list[Any]]]) -> dict[tuple[int, int, int], Stats]:
     """What this transaction's steps add to every (rank_id, level, bucket).
 
-    Only the finest level touches rows; coarser levels merge the finest
-    buckets (the levels nest), so the cost is per bucket, not per row.
+    Only the finest level is computed from rows, per bucket; a coarser level whose
+    bucket holds all of the rank's rows (the usual case: a transaction carries a
+    few dozen steps per rank) takes the stats of the whole batch, computed once;
+    otherwise it merges the finest buckets (the levels nest).
     """
     out: dict[tuple[int, int, int], Stats] = {}
     fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
@@ -120,10 +127,21 @@ def bucket_deltas(steps_by_rank: dict[int, dict[str, list[Any]]]) -> dict[tuple[
             steps = cols["step"]
         if not steps:
             continue
-        for bucket, idx in _groups(steps, fine):
+        groups = list(_groups(steps, fine))
+        fine_stats = []
+        for bucket, idx in groups:
             stats = _stats_of(cols, steps, idx)
             out[(rank_id, fine, bucket)] = stats
-            for level in coarse:
+            fine_stats.append((bucket, stats))
+        lo, hi = min(steps), max(steps)
+        whole: Stats | None = fine_stats[0][1] if len(fine_stats) == 1 else None
+        for level in coarse:
+            if lo // level == hi // level:
+                if whole is None:
+                    whole = _stats_of(cols, steps, slice(None))
+                out[(rank_id, level, lo // level)] = list(whole)
+                continue
+            for bucket, stats in fine_stats:
                 key = (rank_id, level, bucket * fine // level)
                 acc = out.get(key)
                 if acc is None:
@@ -169,19 +187,34 @@ def _merge_sql(col: str) -> str:
     return f"{col}={col}+excluded.{col}"
 
 
-def _upsert(table: str, keys: tuple[str, ...]) -> str:
+# (head, tail, width) of each statement, so the writer can put many rows in one
+# ``head VALUES (...), (...) tail`` statement: one sqlite3_step, one GIL hand-off.
+SqlParts = tuple[str, str, int]
+
+
+def _upsert_parts(table: str, keys: tuple[str, ...]) -> SqlParts:
     cols = keys + _STAT_COLS
     return (
-        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
-        f"ON CONFLICT({', '.join(keys)}) DO UPDATE SET {', '.join(_merge_sql(c) for c in _STAT_COLS)}"
+        f"INSERT INTO {table} ({', '.join(cols)})",
+        f"ON CONFLICT({', '.join(keys)}) DO UPDATE SET {', '.join(_merge_sql(c) for c in _STAT_COLS)}",
+        len(cols),
     )
 
 
-RANK_UPSERT = _upsert("rank_history", ("rank_id", "level", "bucket"))
-NODE_UPSERT = _upsert("node_history", ("session", "attempt", "node_rank", "level", "bucket"))
+def _one_row(parts: SqlParts) -> str:
+    head, tail, width = parts
+    return f"{head} VALUES ({', '.join('?' * width)}) {tail}".rstrip()
+
+
+RANK_UPSERT_PARTS = _upsert_parts("rank_history", ("rank_id", "level", "bucket"))
+NODE_UPSERT_PARTS = _upsert_parts("node_history", ("session", "attempt", "node_rank", "level", "bucket"))
 _RES_COLS = ("rank_id", "slot", "step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES))
-RESERVOIR_UPSERT = f"INSERT OR REPLACE INTO reservoir ({', '.join(_RES_COLS)}) VALUES ({', '.join('?' * len(_RES_COLS))})"
-RESERVOIR_STATE_UPSERT = "INSERT OR REPLACE INTO reservoir_state (rank_id, seen, next_take, w) VALUES (?, ?, ?, ?)"
+RESERVOIR_UPSERT_PARTS: SqlParts = (f"INSERT OR REPLACE INTO reservoir ({', '.join(_RES_COLS)})", "", len(_RES_COLS))
+RESERVOIR_STATE_UPSERT_PARTS: SqlParts = ("INSERT OR REPLACE INTO reservoir_state (rank_id, seen, next_take, w)", "", 4)
+RANK_UPSERT = _one_row(RANK_UPSERT_PARTS)
+NODE_UPSERT = _one_row(NODE_UPSERT_PARTS)
+RESERVOIR_UPSERT = _one_row(RESERVOIR_UPSERT_PARTS)
+RESERVOIR_STATE_UPSERT = _one_row(RESERVOIR_STATE_UPSERT_PARTS)
 
 
 def history_rows(deltas: dict[Any, Stats]) -> list[tuple[Any, ...]]:
@@ -189,6 +222,18 @@ def history_rows(deltas: dict[Any, Stats]) -> list[tuple[Any, ...]]:
 
 
 # ------------------------------------------------------------------ reservoir
+
+_M64 = (1 << 64) - 1
+_TO_UNIT = 2.0**-53
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-mixed 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
 
 
 @dataclass
@@ -219,16 +264,21 @@ class Reservoir:
         for rank_id, seen, next_take, w in rows:
             self.states[rank_id] = ReservoirState(seen, next_take, w)
 
-    def _rng(self, rank_id: int, position: int) -> random.Random:
-        # Seeded by position, so a sample is reproducible (tests) and restarts need no RNG state.
-        return random.Random(rank_id * 1_000_003 + position)
+    @staticmethod
+    def _draws(rank_id: int, position: int) -> tuple[float, float, int]:
+        """(u1, u2, h): two uniforms in (0, 1] and a hash, a pure function of the
+        position, so a sample is reproducible (tests) and restarts need no RNG
+        state. A splitmix64 hash costs a fraction of seeding a ``random.Random``."""
+        x = _mix64(rank_id * 1_000_003 + position)
+        y = _mix64(x)
+        return ((x >> 11) + 1) * _TO_UNIT, ((y >> 11) + 1) * _TO_UNIT, _mix64(y)
 
     @staticmethod
-    def _gap(w: float, rng: random.Random) -> int:
+    def _gap(w: float, u: float) -> int:
         """How many points until the next one enters (>= 1)."""
         if w >= 1.0:
             return 1
-        return int(math.log(rng.random() or 1e-300) / math.log1p(-w)) + 1
+        return int(math.log(u) / math.log1p(-w)) + 1
 
     def offer(self, rank_id: int, cols: dict[str, list[Any]], update: ReservoirUpdate) -> None:
         steps = cols["step"]
@@ -242,27 +292,28 @@ class Reservoir:
         if rank_id not in update.before:
             update.before[rank_id] = ReservoirState(state.seen, state.next_take, state.w)
         columns = [steps, cols["ts"], *(cols[c] for c in _METRIC_COLS)]
-
-        def row(i: int, slot: int) -> tuple[Any, ...]:
-            return (rank_id, slot, *(c[i] for c in columns))
-
+        rows = update.rows
         start = state.seen
-        for i in range(max(0, min(n, k - start))):  # filling: every point enters
-            update.rows[(rank_id, start + i)] = row(i, start + i)
+        fill = max(0, min(n, k - start))
+        if fill:  # filling: every point enters, rows built column-wise
+            for slot, values in enumerate(zip(*(c[:fill] for c in columns), strict=True), start):
+                rows[(rank_id, slot)] = (rank_id, slot, *values)
         if start + n > k:
             if state.w == 0.0:  # the sample just filled (or was backfilled by a migration)
                 begin = max(start, k)
-                rng = self._rng(rank_id, begin)
-                state.w = math.exp(math.log(rng.random() or 1e-300) / k)
-                state.next_take = begin - 1 + self._gap(state.w, rng)
+                u1, u2, _ = self._draws(rank_id, -begin - 1)
+                state.w = math.exp(math.log(u1) / k)
+                state.next_take = begin - 1 + self._gap(state.w, u2)
+            # Algorithm L: only the points that enter are touched, ~k*ln(seen) of them in all.
             while state.next_take < start + n:
-                rng = self._rng(rank_id, state.next_take)
-                slot = rng.randrange(k)
-                update.rows[(rank_id, slot)] = row(state.next_take - start, slot)
-                state.w *= math.exp(math.log(rng.random() or 1e-300) / k)
-                state.next_take += self._gap(state.w, rng)
+                u1, u2, h = self._draws(rank_id, state.next_take)
+                slot = h % k
+                i = state.next_take - start
+                rows[(rank_id, slot)] = (rank_id, slot, *[c[i] for c in columns])
+                state.w *= math.exp(math.log(u1) / k)
+                state.next_take += self._gap(state.w, u2)
         state.seen = start + n
-        update.rows[(rank_id, LATEST_SLOT)] = row(n - 1, LATEST_SLOT)
+        rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *[c[-1] for c in columns])
         update.states[rank_id] = state
 
     def rollback(self, update: ReservoirUpdate) -> None:

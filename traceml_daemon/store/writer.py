@@ -25,12 +25,14 @@ transactions in small chunks of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain
 from typing import Any
 
@@ -39,7 +41,7 @@ import aiosqlite
 from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX, Counters
 from traceml_daemon.inbound import ByteQueue
-from traceml_daemon.ingest import RANK_COLUMNS, Ingestor, Plan, RankState
+from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState
 from traceml_daemon.store import history
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.retention import RetentionPolicy, enforce
@@ -54,19 +56,12 @@ _IDENTITY_UPDATE = ", ".join(
     for col in RANK_COLUMNS
     if col not in ("rank_id", "sender", "session", "attempt", "first_seen", "last_seen", "last_seq")
 )
-_UPSERT_RANK = (
-    f"INSERT INTO ranks ({', '.join(RANK_COLUMNS)}) VALUES ({', '.join('?' * len(RANK_COLUMNS))}) "
+_RANK_CONFLICT = (
     f"ON CONFLICT(sender) DO UPDATE SET last_seen=excluded.last_seen, "
     f"last_seq=max(last_seq, excluded.last_seq), {_IDENTITY_UPDATE}"
 )
-# Relay and agent counters are cumulative; a resent (older) rbatch must not lower them.
-_UPSERT_MONOTONIC = (
-    "INSERT INTO delivery(source, counter, value) VALUES(?, ?, ?) "
-    "ON CONFLICT(source, counter) DO UPDATE SET value=max(value, excluded.value)"
-)
-_UPSERT_EXACT = (
-    "INSERT INTO delivery(source, counter, value) VALUES(?, ?, ?) "
-    "ON CONFLICT(source, counter) DO UPDATE SET value=excluded.value"
+_UPSERT_RANK = (
+    f"INSERT INTO ranks ({', '.join(RANK_COLUMNS)}) VALUES ({', '.join('?' * len(RANK_COLUMNS))}) {_RANK_CONFLICT}"
 )
 
 
@@ -86,46 +81,85 @@ class WorkItem:
 
 # sqlite >= 3.32 allows 32766 bound parameters per statement.
 MAX_PARAMS = 32_000
-ROWS_PER_STATEMENT = 256
+ROWS_PER_STATEMENT = 1024
 GIL_SWITCH_INTERVAL = 0.001
 
-
-def multi_insert_sql(table: str, nrows: int) -> str:
-    cols = ("rank_id", *columns(table))
-    one = f"({', '.join('?' * len(cols))})"
-    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES {', '.join([one] * nrows)}"
+Statement = tuple[str, Sequence[Any]]  # one multi-row statement and its flat parameters
 
 
-def chunked_params(table: str, rows: list[tuple[Any, ...]]) -> list[tuple[str, list[tuple[Any, ...]]]]:
-    """(sql, parameter sets) pairs inserting ``rows``: full chunks of one statement
-    shape, then the rest in power-of-two pieces so few statement shapes exist."""
-    width = len(columns(table)) + 1
-    per = max(1, min(ROWS_PER_STATEMENT, MAX_PARAMS // width))
-    out: list[tuple[str, list[tuple[Any, ...]]]] = []
-    full = len(rows) // per
-    if full:
-        out.append(
-            (multi_insert_sql(table, per), [tuple(chain.from_iterable(rows[i * per : (i + 1) * per])) for i in range(full)])
-        )
-    at = full * per
+@lru_cache(maxsize=512)
+def _values_sql(head: str, tail: str, width: int, nrows: int) -> str:
+    one = f"({', '.join('?' * width)})"
+    return f"{head} VALUES {', '.join([one] * nrows)} {tail}".rstrip()
+
+
+def multi_row(parts: history.SqlParts, flat: Sequence[Any], nrows: int) -> list[Statement]:
+    """Statements inserting ``nrows`` rows whose parameters are ``flat`` (row-major):
+    full chunks of one shape, then the rest in power-of-two pieces, so few shapes
+    exist (each is compiled once, then cached) and each statement is one sqlite3_step."""
+    head, tail, width = parts
+    per = 1
+    while per * 2 <= min(ROWS_PER_STATEMENT, MAX_PARAMS // width):
+        per *= 2
+    out: list[Statement] = []
+    at = 0
     size = per
-    while at < len(rows):
-        while size > len(rows) - at:
+    while at < nrows:
+        while size > nrows - at:
             size //= 2
-        out.append((multi_insert_sql(table, size), [tuple(chain.from_iterable(rows[at : at + size]))]))
+        out.append((_values_sql(head, tail, width, size), flat[at * width : (at + size) * width]))
         at += size
     return out
 
 
+def multi_row_tuples(parts: history.SqlParts, rows: Iterable[tuple[Any, ...]]) -> list[Statement]:
+    flat = list(chain.from_iterable(rows))
+    return multi_row(parts, flat, len(flat) // parts[2])
+
+
+def _table_parts(table: str) -> history.SqlParts:
+    cols = ("rank_id", *columns(table))
+    return f"INSERT INTO {table} ({', '.join(cols)})", "", len(cols)
+
+
+_TABLE_PARTS = {name: _table_parts(name) for name in TABLE_COLUMNS}
+_RANK_PARTS: history.SqlParts = (f"INSERT INTO ranks ({', '.join(RANK_COLUMNS)})", _RANK_CONFLICT, len(RANK_COLUMNS))
+_MONOTONIC_PARTS: history.SqlParts = (
+    "INSERT INTO delivery(source, counter, value)",
+    "ON CONFLICT(source, counter) DO UPDATE SET value=max(value, excluded.value)",
+    3,
+)
+_EXACT_PARTS: history.SqlParts = (
+    "INSERT INTO delivery(source, counter, value)",
+    "ON CONFLICT(source, counter) DO UPDATE SET value=excluded.value",
+    3,
+)
+
+
+def _run_transaction(conn: sqlite3.Connection, statements: list[Statement]) -> None:
+    """The whole transaction in one call on the database thread: every aiosqlite
+    call is a round trip through the event loop and a GIL hand-off, and while the
+    loop is busy decoding, each hand-off can wait a whole switch interval."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for sql, params in statements:
+            conn.execute(sql, params)
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+
+
 @dataclass
 class Staged:
-    """One transaction, ready to write: the plan and what history adds."""
+    """One transaction, ready to write: the plan and its statements (rows, ranks,
+    history, reservoir; the counters are added at write time)."""
 
     work: list[WorkItem]
     taken_bytes: int
     plan: Plan
-    rank_hist: list[tuple[Any, ...]]
-    node_hist: list[tuple[Any, ...]]
+    statements: list[Statement]
     reservoir: history.ReservoirUpdate
 
 
@@ -140,6 +174,7 @@ class StoreWriter:
         flush_interval: float = 0.25,
         retention: RetentionPolicy | None = None,
         tune_gil: bool = True,
+        coalesce_s: float = 0.05,
     ) -> None:
         self.path = path
         self.counters = counters or Counters()
@@ -148,6 +183,7 @@ class StoreWriter:
         self.flush_interval = flush_interval
         self.retention = retention
         self.tune_gil = tune_gil
+        self.coalesce_s = coalesce_s
         self.ingestor = Ingestor()
         self.reservoir = history.Reservoir()
         self._db: aiosqlite.Connection | None = None
@@ -201,6 +237,21 @@ class StoreWriter:
             taken = await queue.get_many(self.max_txn_bytes, self.flush_interval)
             if not taken and queue.closed and len(queue) == 0:
                 break
+            size = sum(n for _, n in taken)
+            if (
+                taken
+                and self.coalesce_s > 0
+                and size < self.max_txn_bytes // 4
+                and (writing is None or writing.done())
+                and not queue.closed
+            ):
+                # Idle writer, little queued: many relays flushing at their own times
+                # would each get a transaction of their own, and per-transaction costs
+                # (commit, history and reservoir rows per rank) would dominate. Wait a
+                # moment so one transaction carries them all. A busy writer needs no
+                # wait: the next batch piles up while the previous one is written.
+                await asyncio.sleep(self.coalesce_s)
+                taken += await queue.get_many(self.max_txn_bytes - size, 0)
             staged = self.stage([item for item, _ in taken], sum(n for _, n in taken))
             if writing is not None and not await writing and previous is not None:
                 # The previous transaction failed and rolled every pending mark back:
@@ -254,20 +305,32 @@ class StoreWriter:
                 now=now,
             )
         self.ingestor.staged(plan)
-        deltas = history.bucket_deltas(plan.steps_by_rank)
-        states = {s.rank_id: s for s in (*self.ingestor.known.values(), *plan.high_water.values())}
-
-        def node_of(rank_id: int) -> history.NodeKey | None:
-            st = states.get(rank_id)
-            if st is None or st.node_rank is None:
-                return None
-            return (st.session or "unknown", st.attempt, st.node_rank)
-
-        nodes = history.node_deltas(deltas, node_of)
+        statements: list[Statement] = []
+        if plan.ranks:
+            statements += multi_row_tuples(_RANK_PARTS, plan.ranks.values())
+        for table, flat in plan.flat.items():
+            statements += multi_row(_TABLE_PARTS[table], flat, plan.row_counts[table])
         update = history.ReservoirUpdate()
-        for rank_id, cols in plan.steps_by_rank.items():
-            self.reservoir.offer(rank_id, cols, update)
-        return Staged(work, taken_bytes, plan, history.history_rows(deltas), history.history_rows(nodes), update)
+        if plan.steps_by_rank:
+            deltas = history.bucket_deltas(plan.steps_by_rank)
+            # Every rank with steps in this plan has its state in the plan's high-water marks.
+            states = {s.rank_id: s for s in plan.high_water.values()}
+
+            def node_of(rank_id: int) -> history.NodeKey | None:
+                st = states.get(rank_id)
+                if st is None or st.node_rank is None:
+                    return None
+                return (st.session or "unknown", st.attempt, st.node_rank)
+
+            nodes = history.node_deltas(deltas, node_of)
+            for rank_id, cols in plan.steps_by_rank.items():
+                self.reservoir.offer(rank_id, cols, update)
+            statements += multi_row_tuples(history.RANK_UPSERT_PARTS, history.history_rows(deltas))
+            statements += multi_row_tuples(history.NODE_UPSERT_PARTS, history.history_rows(nodes))
+            res_rows, res_states = history.reservoir_rows(update)
+            statements += multi_row_tuples(history.RESERVOIR_UPSERT_PARTS, res_rows)
+            statements += multi_row_tuples(history.RESERVOIR_STATE_UPSERT_PARTS, res_states)
+        return Staged(work, taken_bytes, plan, statements, update)
 
     async def write(self, work: list[WorkItem]) -> bool:
         """Write ``work`` (possibly empty: counters only) in one transaction."""
@@ -286,37 +349,22 @@ class StoreWriter:
             self.ingestor.commit(plan)
             return True
         db = self._db
-        res_rows, res_states = history.reservoir_rows(staged.reservoir)
+        monotonic = [
+            (RELAY_PREFIX + relay, name, value) for relay, stats in plan.relay_stats.items() for name, value in stats.items()
+        ]
+        monotonic += [
+            (AGENT_PREFIX + agent, name, value) for agent, drops in plan.agent_drops.items() for name, value in drops.items()
+        ]
+        statements = list(staged.statements)
+        if monotonic:
+            statements += multi_row_tuples(_MONOTONIC_PARTS, monotonic)
+        statements += multi_row_tuples(_EXACT_PARTS, [(DAEMON_SOURCE, k, v) for k, v in counters.items()])
         try:
-            await db.execute("BEGIN IMMEDIATE")
-            if plan.ranks:
-                await db.executemany(_UPSERT_RANK, list(plan.ranks.values()))
-            for table, rows in plan.rows.items():
-                for sql, params in chunked_params(table, rows):
-                    await db.executemany(sql, params)
-            if staged.rank_hist:
-                await db.executemany(history.RANK_UPSERT, staged.rank_hist)
-            if staged.node_hist:
-                await db.executemany(history.NODE_UPSERT, staged.node_hist)
-            if res_rows:
-                await db.executemany(history.RESERVOIR_UPSERT, res_rows)
-                await db.executemany(history.RESERVOIR_STATE_UPSERT, res_states)
-            monotonic = [
-                (RELAY_PREFIX + relay, name, value) for relay, stats in plan.relay_stats.items() for name, value in stats.items()
-            ]
-            monotonic += [
-                (AGENT_PREFIX + agent, name, value) for agent, drops in plan.agent_drops.items() for name, value in drops.items()
-            ]
-            if monotonic:
-                await db.executemany(_UPSERT_MONOTONIC, monotonic)
-            await db.executemany(_UPSERT_EXACT, [(DAEMON_SOURCE, k, v) for k, v in counters.items()])
-            await db.execute("COMMIT")
+            # aiosqlite has no public "run this function on your thread"; its private
+            # _execute is that, and one call per transaction is the point (see _run_transaction).
+            await db._execute(_run_transaction, db._conn, statements)
         except (sqlite3.Error, OSError) as exc:
             log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
-            try:
-                await db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
             self.ingestor.rollback(plan)
             self.reservoir.rollback(staged.reservoir)
             return False
