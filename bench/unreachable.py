@@ -49,7 +49,7 @@ def worker(steps: int, width: int, measure_memory: bool) -> None:
     proc = psutil.Process()
     durations: list[int] = []
     warm = min(1000, steps // 10)
-    rss_warm = 0
+    rss_warm = rss_mid = 0
     for i in range(steps):
         t0 = time.perf_counter_ns()
         with agent.trace_step(model):
@@ -60,10 +60,12 @@ def worker(steps: int, width: int, measure_memory: bool) -> None:
         durations.append(time.perf_counter_ns() - t0)
         if i == warm:
             rss_warm = proc.memory_info().rss
+        elif i == steps // 2:
+            rss_mid = proc.memory_info().rss
     rss_end = proc.memory_info().rss
     out = {"median_ns": statistics.median(durations[warm:])}
     if measure_memory:
-        out.update(rss_warm=rss_warm, rss_end=rss_end)
+        out.update(rss_warm=rss_warm, rss_mid=rss_mid, rss_end=rss_end)
     print(json.dumps(out), flush=True)
     agent.shutdown()
 
@@ -123,13 +125,19 @@ def main() -> None:
         off = _run(dict(unreachable, TRACEML_DISABLE="1"), args.memory_steps, 16, memory=True)
         grow = (mem["rss_end"] - mem["rss_warm"]) / 2**20
         grow_off = (off["rss_end"] - off["rss_warm"]) / 2**20
+        # Flat means: once the in-memory buffers are full, the second half adds nothing.
+        grow_2nd = (mem["rss_end"] - mem["rss_mid"]) / 2**20
+        grow_2nd_off = (off["rss_end"] - off["rss_mid"]) / 2**20
         print(f"RSS growth over {args.memory_steps} steps unreachable: {grow:.1f} MiB "
               f"(baseline with TRACEML_DISABLE=1: {grow_off:.1f} MiB); "
               f"extra RSS vs disabled at the end: {(mem['rss_end'] - off['rss_end']) / 2**20:.1f} MiB")
+        print(f"RSS growth over the second half ({args.memory_steps // 2} steps): {grow_2nd:.1f} MiB "
+              f"(baseline with TRACEML_DISABLE=1: {grow_2nd_off:.1f} MiB)")
         print(json.dumps({
             "reachable_step_ms": up_ms, "unreachable_step_ms": down_ms, "ratio": down_ms / up_ms,
             "memory_steps": args.memory_steps, "rss_growth_mib": grow, "rss_growth_disabled_mib": grow_off,
             "extra_rss_mib": (mem["rss_end"] - off["rss_end"]) / 2**20,
+            "rss_growth_second_half_mib": grow_2nd, "rss_growth_second_half_disabled_mib": grow_2nd_off,
         }))
     finally:
         daemon.terminate()

@@ -276,6 +276,11 @@ class NodeRelay:
 # ---------------------------------------------------------------- thread API
 
 
+# A relay embedded in a training process keeps little in memory and spills the
+# rest to its spool, so an unreachable daemon does not grow the trainer's RSS.
+EMBEDDED_BUFFER_BYTES = 8 * 1024 * 1024
+
+
 class RelayHandle:
     """A relay running on its own daemon thread (see ``start_relay_thread``)."""
 
@@ -313,6 +318,7 @@ def start_relay_thread(
     session: str,
     node: dict[str, Any],
     spool_dir: str | None = None,
+    buffer_bytes: int = EMBEDDED_BUFFER_BYTES,
 ) -> RelayHandle:
     """Run a NodeRelay on a daemon thread; return once its port is bound.
 
@@ -332,6 +338,7 @@ def start_relay_thread(
                 session=session,
                 node=node,
                 spool_dir=spool_dir or default_spool_dir(session),
+                buffer_bytes=buffer_bytes,
             )
             await relay.start()
         except BaseException as exc:
