@@ -15,7 +15,6 @@ Two ways to run it:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import tempfile
 import threading
@@ -32,6 +31,7 @@ from relay.upstream import (
 )
 from traceml_wire import DEFAULT_MAX_FRAME_BYTES, ProtocolError
 from traceml_wire import messages as wm
+from traceml_wire.addresses import is_loopback
 from traceml_wire.auth import new_nonce, verify_hello_mac
 
 DEFAULT_PORT = 29766
@@ -59,14 +59,6 @@ def parse_hostport(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
 
 class NodeRelay:
     def __init__(
@@ -86,7 +78,7 @@ class NodeRelay:
         hello_timeout: float = HELLO_TIMEOUT,
         max_frame_bytes: int = AGENT_MAX_FRAME_BYTES,
     ) -> None:
-        if not token and not _is_loopback(host):
+        if not token and not is_loopback(host):
             # Anyone on the network could inject telemetry: refuse at start.
             raise ValueError(f"refusing to listen on non-loopback {host} without a token")
         self.host = host

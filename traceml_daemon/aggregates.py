@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceml_daemon.analysis.nodes import worst_key
 from traceml_wire.tables import PHASES
 
 DEFAULT_WINDOW = 200
@@ -34,12 +35,15 @@ class RankWindow:
     last_step: int | None = None
     last_ts: float | None = None
     step_ns: deque[int] = field(init=False)
+    busy_ns: deque[int] = field(init=False)  # step minus wait, per step
+    wait_measured: bool = False  # comm (DDP's all-reduce) seen: wait is time blocked on peers
     phases_ns: dict[str, deque[int]] = field(init=False)
     dirty: bool = field(init=False, default=True)
-    _cached: tuple[float | None, dict[str, float | None]] | None = field(init=False, default=None)
+    _cached: tuple[float | None, dict[str, float | None], float | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.step_ns = deque(maxlen=self.window)
+        self.busy_ns = deque(maxlen=self.window)
         self.phases_ns = {p: deque(maxlen=self.window) for p in PHASES}
 
     def add(self, cols: dict[str, list[Any]]) -> None:
@@ -62,14 +66,26 @@ class RankWindow:
                     stamps = [t for t in ts if t is not None] if None in ts else ts
                     if stamps:
                         self.last_ts = max(stamps)
-        _extend(self.step_ns, cols.get("step_ns"))
+        step_ns = cols.get("step_ns")
+        _extend(self.step_ns, step_ns)
+        wait = cols.get("wait_ns")
+        if step_ns and wait and len(wait) == len(step_ns):
+            _extend(self.busy_ns, [s - (w or 0) if s is not None else None for s, w in zip(step_ns, wait, strict=True)])
+        else:
+            _extend(self.busy_ns, step_ns)
+        comm = cols.get("comm_ns")
+        if comm and not self.wait_measured:
+            self.wait_measured = any(v is not None for v in comm)
         for phase in PHASES:
             # "None" means not measured, so it stays out of the median.
             _extend(self.phases_ns[phase], cols.get(f"{phase}_ns"))
 
-    def medians(self) -> tuple[float | None, dict[str, float | None]]:
+    def medians(self) -> tuple[float | None, dict[str, float | None], float | None]:
+        """(step, phases, busy) medians in ms; busy is the step's where wait is not measured."""
         if self.dirty or self._cached is None:
-            self._cached = (_median_ms(self.step_ns), {p: _median_ms(v) for p, v in self.phases_ns.items()})
+            step = _median_ms(self.step_ns)
+            busy = _median_ms(self.busy_ns) if self.wait_measured else step
+            self._cached = (step, {p: _median_ms(v) for p, v in self.phases_ns.items()}, busy)
             self.dirty = False
         return self._cached
 
@@ -93,6 +109,7 @@ class RankSnapshot:
     last_ts: float | None
     step_ms_median: float | None
     phases_ms_median: dict[str, float | None]
+    busy_ms_median: float | None = None  # step minus wait where wait is measured, else step
 
 
 def _median_ms(values: deque[int]) -> float | None:
@@ -122,7 +139,7 @@ class Aggregates:
         """Medians of every rank's current window, ordered by global rank."""
         out = []
         for r in self._ranks.values():
-            step_med, phase_med = r.medians()
+            step_med, phase_med, busy_med = r.medians()
             out.append(
                 RankSnapshot(
                     rank_id=r.rank_id,
@@ -133,6 +150,7 @@ class Aggregates:
                     last_ts=r.last_ts,
                     step_ms_median=step_med,
                     phases_ms_median=dict(phase_med),
+                    busy_ms_median=busy_med,
                 )
             )
         out.sort(key=lambda s: (s.global_rank is None, s.global_rank or 0, s.rank_id))
@@ -149,7 +167,7 @@ class Aggregates:
         for node_rank in sorted(by_node):
             members = by_node[node_rank]
             timed = [r for r in members if r.step_ms_median is not None]
-            worst = max(timed, key=_step_ms) if timed else None
+            worst = max(timed, key=_worst_key) if timed else None
             nodes.append(
                 NodeSnapshot(
                     node_rank=node_rank,
@@ -166,7 +184,7 @@ class Aggregates:
                 )
             )
         timed = [r for r in ranks if r.step_ms_median is not None]
-        worst = max(timed, key=_step_ms) if timed else None
+        worst = max(timed, key=_worst_key) if timed else None
         node_meds = [n.step_ms_median for n in nodes if n.step_ms_median is not None]
         worst_node = max((n for n in nodes if n.step_ms_median is not None), key=lambda n: n.step_ms_median or 0.0,
                          default=None)
@@ -209,6 +227,10 @@ class LiveSnapshot:
 
 def _step_ms(r: RankSnapshot) -> float:
     return r.step_ms_median if r.step_ms_median is not None else 0.0
+
+
+def _worst_key(r: RankSnapshot) -> tuple[float, float]:
+    return worst_key(r.step_ms_median, r.busy_ms_median)
 
 
 def _label(r: RankSnapshot) -> int:

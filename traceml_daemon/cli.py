@@ -98,8 +98,9 @@ def read_token(token_file: str | None) -> str | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from traceml_daemon import _loop
-    from traceml_daemon.server import ServerConfig, is_loopback, run_server
+    from traceml_daemon.server import ServerConfig, run_server
     from traceml_daemon.store.migrate import SchemaError
+    from traceml_wire.addresses import is_loopback
 
     token = read_token(args.token_file)
     if token is None and not is_loopback(args.host):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import signal
 import ssl
@@ -49,14 +48,6 @@ class ServerConfig:
     retention_days: float | None = None  # delete raw rows older than this (history stays)
     max_db_mb: float | None = None  # delete the oldest raw rows while the db uses more
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _peer_name(writer: asyncio.StreamWriter) -> str:

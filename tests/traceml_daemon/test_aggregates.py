@@ -39,3 +39,16 @@ def test_window_rolls_and_unmeasured_values_stay_out() -> None:
     assert snap.step_ms_median == 50.0  # window of 4: one 10 ms, three 50 ms
     assert snap.phases_ms_median["forward"] == 1.0  # None never entered the window
     assert snap.steps_seen == 7 and snap.last_step == 6 and snap.last_ts == 106.0
+
+
+def test_worst_rank_under_ddp_is_the_busiest_not_the_slowest_step() -> None:
+    # DDP: every rank's step is 30 ms; rank 1 waits least on its peers, so it is the straggler.
+    agg = Aggregates(window=10)
+    for rank_id, (gr, wait_ms) in enumerate([(0, 10), (1, 2), (2, 8)], start=1):
+        cols = _cols(0, 5, 30_000_000)
+        cols["wait_ns"] = [wait_ms * 1_000_000] * 5
+        cols["comm_ns"] = [wait_ms * 1_000_000] * 5
+        agg.add_steps(rank_id, cols, global_rank=gr, node_rank=0)
+    live = agg.live()
+    assert live.worst_rank == 1 and live.nodes[0].worst_rank == 1
+    assert live.ranks[1].busy_ms_median == 28.0 and live.worst_step_ms == 30.0

@@ -83,3 +83,35 @@ def test_choose_level_picks_the_finest_that_fits() -> None:
     assert history.choose_level(0, 999_999, 1000) == (1024, 1)
     level, group = history.choose_level(0, 999_999, 20)
     assert level == 16384 and 62 / group <= 20
+
+
+def test_history_lost_in_a_crash_is_caught_up_from_raw_rows_on_open(tmp_path: Path) -> None:
+    db = tmp_path / "c.db"
+
+    async def crash_after(batches: list) -> None:
+        # History is written at most once a second: with a long interval nothing
+        # after the first transaction is written before the "crash" (no close()).
+        writer = StoreWriter(str(db), history_interval=3600.0)
+        await writer.open()
+        for b in batches:
+            assert await writer.write([b])
+        assert writer._db is not None
+        await writer._db.close()
+
+    batches = [batch(i + 1, [0, 1, 2], i * 300, 300) for i in range(6)]
+    asyncio.run(crash_after(batches[:3]))
+    asyncio.run(crash_after(batches[3:]))
+    conn = ro(db)
+    assert conn.execute("SELECT count(*) FROM rank_history").fetchone()[0] < len(raw_buckets(conn, 64))
+    conn.close()
+    asyncio.run(_write(db, []))  # open catches up, close writes
+    conn = ro(db)
+    for level in HISTORY_LEVELS:
+        assert stored_buckets(conn, level) == raw_buckets(conn, level), level
+    latest = dict(conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=?", (LATEST_SLOT,)).fetchall())
+    assert latest == {1: 1_799, 2: 1_799, 3: 1_799}
+    # The sample equals one taken live, without a crash.
+    live = tmp_path / "live.db"
+    asyncio.run(_write(live, batches))
+    sample = "SELECT rank_id, slot, step FROM reservoir ORDER BY 1, 2"
+    assert conn.execute(sample).fetchall() == ro(live).execute(sample).fetchall()

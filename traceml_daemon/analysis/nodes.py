@@ -15,6 +15,15 @@ from traceml_daemon.analysis.stats import median, round_ms
 from traceml_daemon.analysis.window import RankProfile, profiles
 
 
+def worst_key(step_ms: float | None, busy_ms: float | None) -> tuple[float, float]:
+    """Sort key picking a node's worst rank (``max``): the most busy time, then step time.
+
+    ``busy_ms`` is step minus wait where wait is measured (else the step itself):
+    under DDP every rank reports the same step time, so step time alone cannot
+    tell the straggler. Shared with the live aggregates and the history overview."""
+    return (busy_ms if busy_ms is not None else step_ms or 0.0, step_ms or 0.0)
+
+
 def _profiles(run: RunData, policy: Policy | None) -> list[RankProfile]:
     p = (policy or DEFAULT_POLICY).steps
     return [x for x in profiles(run, p.warmup_steps, p.window, p.clock_slack_frac) if x.step_ms is not None]
@@ -32,7 +41,7 @@ def node_views(run: RunData, policy: Policy | None = None) -> list[dict[str, Any
     out: list[dict[str, Any]] = []
     for node_rank in sorted(by_node):
         members = by_node[node_rank]
-        worst = max(members, key=lambda p: (p.busy_ms or 0.0, p.step_ms or 0.0))
+        worst = max(members, key=lambda p: worst_key(p.step_ms, p.busy_ms))
         out.append(
             {
                 "node_rank": node_rank,

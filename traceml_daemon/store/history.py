@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceml_daemon.analysis.nodes import worst_key
 from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
 from traceml_wire.tables import PHASES
 
@@ -462,6 +463,7 @@ class RankOverview:
     last_step: int | None  # from the reservoir's latest point
     step_ms_median: float | None  # over the whole run, from the reservoir sample
     phases_ms_median: dict[str, float | None]
+    busy_ms_median: float | None = None  # step minus wait under DDP (wait measured), else step
 
 
 @dataclass
@@ -493,7 +495,7 @@ def rank_medians(conn: sqlite3.Connection, session: str, attempt: int) -> list[R
     """Whole-run medians per rank from the reservoir sample (<= RESERVOIR_SIZE + 1 rows per rank)."""
     cols = ", ".join(f"s.{c}" for c in _RES_COLS[2:])
     ranks = conn.execute(
-        "SELECT rank_id, global_rank, node_rank, hostname FROM ranks WHERE session=? AND attempt=? "
+        "SELECT rank_id, global_rank, node_rank, hostname, parallelism FROM ranks WHERE session=? AND attempt=? "
         "ORDER BY global_rank, rank_id",
         (session, attempt),
     ).fetchall()
@@ -509,15 +511,22 @@ def rank_medians(conn: sqlite3.Connection, session: str, attempt: int) -> list[R
         else:
             samples.setdefault(row[0], []).append(row[4:])
     out = []
-    for rank_id, global_rank, node_rank, hostname in ranks:
+    wait_at = HISTORY_METRICS.index("wait")
+    for rank_id, global_rank, node_rank, hostname, parallelism in ranks:
         pts = samples.get(rank_id, [])
         med = {
             m: _median([p[j] / 1e6 for p in pts if p[j] is not None]) for j, m in enumerate(HISTORY_METRICS)
         }
+        # As in analysis/window.py: only DDP measures wait as time blocked on peers.
+        busy = (
+            _median([(p[0] - (p[wait_at] or 0)) / 1e6 for p in pts if p[0] is not None])
+            if parallelism == "ddp"
+            else med["step"]
+        )
         out.append(
             RankOverview(
                 rank_id, global_rank, node_rank, hostname, latest.get(rank_id), med["step"],
-                {p: med[p] for p in PHASES},
+                {p: med[p] for p in PHASES}, busy,
             )
         )
     return out
@@ -536,7 +545,7 @@ def overview(conn: sqlite3.Connection, session: str, attempt: int, width: int = 
     for node_rank in sorted(by_node):
         members = by_node[node_rank]
         timed = [r for r in members if r.step_ms_median is not None]
-        worst = max(timed, key=lambda r: r.step_ms_median or 0.0) if timed else None
+        worst = max(timed, key=lambda r: worst_key(r.step_ms_median, r.busy_ms_median)) if timed else None
         nodes.append(
             NodeOverview(
                 node_rank,
