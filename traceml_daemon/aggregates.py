@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceml_daemon.analysis.nodes import worst_key
+from traceml_daemon.analysis.nodes import by_node_with_worst, worst_key
 from traceml_wire.tables import PHASES
 
 DEFAULT_WINDOW = 200
@@ -159,15 +159,11 @@ class Aggregates:
     def live(self) -> LiveSnapshot:
         """Ranks, nodes and skews from the rolling windows; no database access."""
         ranks = self.snapshot()
-        by_node: dict[int, list[RankSnapshot]] = {}
-        for r in ranks:
-            if r.node_rank is not None:
-                by_node.setdefault(r.node_rank, []).append(r)
         nodes = []
-        for node_rank in sorted(by_node):
-            members = by_node[node_rank]
+        for node_rank, members, worst in by_node_with_worst(
+            ranks, lambda r: r.node_rank, lambda r: r.step_ms_median, lambda r: r.busy_ms_median
+        ):
             timed = [r for r in members if r.step_ms_median is not None]
-            worst = max(timed, key=_worst_key) if timed else None
             nodes.append(
                 NodeSnapshot(
                     node_rank=node_rank,

@@ -7,12 +7,15 @@ wait), because under DDP every rank reports the same step time.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from traceml_daemon.analysis.model import RunData
 from traceml_daemon.analysis.policy import DEFAULT_POLICY, Policy
 from traceml_daemon.analysis.stats import median, round_ms
 from traceml_daemon.analysis.window import RankProfile, profiles
+
+R = TypeVar("R")
 
 
 def worst_key(step_ms: float | None, busy_ms: float | None) -> tuple[float, float]:
@@ -22,6 +25,25 @@ def worst_key(step_ms: float | None, busy_ms: float | None) -> tuple[float, floa
     under DDP every rank reports the same step time, so step time alone cannot
     tell the straggler. Shared with the live aggregates and the history overview."""
     return (busy_ms if busy_ms is not None else step_ms or 0.0, step_ms or 0.0)
+
+
+def by_node_with_worst(
+    ranks: Iterable[R], node_of: Callable[[R], int | None], step_of: Callable[[R], float | None],
+    busy_of: Callable[[R], float | None],
+) -> list[tuple[int, list[R], R | None]]:
+    """Group ranks by node (ranks without one are left out), in node order, each
+    with its worst timed rank by ``worst_key`` (None when no rank is timed yet)."""
+    groups: dict[int, list[R]] = {}
+    for r in ranks:
+        node = node_of(r)
+        if node is not None:
+            groups.setdefault(node, []).append(r)
+    out = []
+    for node in sorted(groups):
+        timed = [r for r in groups[node] if step_of(r) is not None]
+        worst = max(timed, key=lambda r: worst_key(step_of(r), busy_of(r))) if timed else None
+        out.append((node, groups[node], worst))
+    return out
 
 
 def _profiles(run: RunData, policy: Policy | None) -> list[RankProfile]:

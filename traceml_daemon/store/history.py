@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceml_daemon.analysis.nodes import worst_key
+from traceml_daemon.analysis.nodes import by_node_with_worst
 from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
 from traceml_wire.tables import PHASES
 
@@ -537,15 +537,11 @@ def overview(conn: sqlite3.Connection, session: str, attempt: int, width: int = 
     span = run_span(conn, session, attempt)
     ranks = rank_medians(conn, session, attempt)
     nodes_series = node_series(conn, session, attempt, width, span)
-    by_node: dict[int, list[RankOverview]] = {}
-    for r in ranks:
-        if r.node_rank is not None:
-            by_node.setdefault(r.node_rank, []).append(r)
     nodes = []
-    for node_rank in sorted(by_node):
-        members = by_node[node_rank]
+    for node_rank, members, worst in by_node_with_worst(
+        ranks, lambda r: r.node_rank, lambda r: r.step_ms_median, lambda r: r.busy_ms_median
+    ):
         timed = [r for r in members if r.step_ms_median is not None]
-        worst = max(timed, key=lambda r: worst_key(r.step_ms_median, r.busy_ms_median)) if timed else None
         nodes.append(
             NodeOverview(
                 node_rank,
