@@ -872,7 +872,7 @@ class TuiData:
         self._refreshes += 1
         rows = [self._rank_row(st) for st in sorted(self._ranks.values(), key=lambda s: s.global_rank)]
         if series is not None and series.values:
-            label = "step, all ranks, whole run"
+            label = "all ranks"  # whole run, from the downsampled history; fits the 11-column label
         else:
             first = rows[0] if rows else None
             series = self.step_series(first.rank_id) if first else Series()

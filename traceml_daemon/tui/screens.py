@@ -245,8 +245,9 @@ class OverviewScreen(Screen[None]):
         head.append(f"{h.session}", style="bold")
         head.append(f"  {h.nnodes} nodes × {h.world_size} ranks  {h.parallelism}  ")
         head.append(f"step {h.latest_step if h.latest_step is not None else ABSENT}", style="bold")
-        if h.history and h.first_step is not None:
-            head.append(f" (run {h.first_step}–{h.latest_step})")
+        if h.history and h.first_step:
+            # Only when the run's start is not step 0 (a resumed run): the header must fit 80 columns.
+            head.append(f" (from {h.first_step})")
         head.append(f"  {fmt_num(h.steps_per_s, ' steps/s', 1)}  up {fmt_duration(h.uptime_s)}\n")
         head.append(f"{state}  ", style="bold green" if h.live else "bold")
         delivery_style = "bold red" if d.dropped else "green"
