@@ -173,7 +173,7 @@ def test_overview_series_and_span_cover_the_whole_run_from_history(tmp_path: Pat
     ov = data.overview()
     assert ov.header.history is True
     assert (ov.header.first_step, ov.header.latest_step) == (0, 4999)
-    assert "whole run" in ov.series_label
+    assert ov.series_label == "all ranks"
     s = ov.step_series
     assert 10 <= len(s.values) <= 50
     assert s.steps[0] < 1000 and s.steps[-1] == 4999  # starts where raw rows no longer exist
