@@ -149,9 +149,10 @@ class NodeRelay:
                 stream.writer.transport.abort()
             await asyncio.gather(*self._connections, return_exceptions=True)
             try:
-                # Waiting for acks from a daemon we are not connected to would
+                # Waiting for acks from a daemon that just refused a connection would
                 # only hold up the training process's exit: close() spools instead.
-                if self.upstream.connected:
+                # A first connection still in progress is worth the wait.
+                if not self.upstream.unreachable:
                     await asyncio.wait_for(self.upstream.wait_drained(), timeout)
             except TimeoutError:
                 if self.upstream.unacked and self.upstream.spool is None:

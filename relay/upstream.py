@@ -107,6 +107,9 @@ class Upstream:
         self._acked = 0
         self._changed = asyncio.Event()  # new data to send, or an ack arrived
         self.connected = False
+        # True once a connection attempt failed, until one succeeds: a stop then
+        # spools at once instead of waiting for acks that cannot come.
+        self.unreachable = False
         self._stream: MessageStream | None = None
         self._warned: set[str] = set()
 
@@ -228,6 +231,7 @@ class Upstream:
             try:
                 await self._connect_and_stream()
             except (TimeoutError, OSError, ConnectionError, ProtocolError, EOFError) as exc:
+                self.unreachable = True
                 where = f"; buffering, then spooling under {self.spool.directory}" if self.spool else ""
                 self._warn_once(
                     "unreachable",
@@ -260,6 +264,7 @@ class Upstream:
                 raise ProtocolError(f"expected accept, got {reply['t']!r}")
             self.ack(reply["last_seq"])
             self.connected = True
+            self.unreachable = False
             self.stats.upstream_connects += 1
             self._backoff.reset()
             self._warned.clear()  # a later outage deserves a fresh message
