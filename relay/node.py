@@ -148,15 +148,9 @@ class NodeRelay:
             for stream in list(self._streams):
                 stream.writer.transport.abort()
             await asyncio.gather(*self._connections, return_exceptions=True)
-            try:
-                # Waiting for acks from a daemon that just refused a connection would
-                # only hold up the training process's exit: close() spools instead.
-                # A first connection still in progress is worth the wait.
-                if not self.upstream.unreachable:
-                    await asyncio.wait_for(self.upstream.wait_drained(), timeout)
-            except TimeoutError:
-                if self.upstream.unacked and self.upstream.spool is None:
-                    warn(f"stopping with {self.upstream.unacked} rbatch(es) not acknowledged by the daemon")
+            await self.upstream.flush_for_stop(timeout)
+            if self.upstream.unacked and self.upstream.spool is None:
+                warn(f"stopping with {self.upstream.unacked} rbatch(es) not acknowledged by the daemon")
             await self.upstream.say_bye()
             if self._main is not None:
                 self._main.cancel()

@@ -16,6 +16,7 @@ the spool, or, without a spool, are dropped and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 import sys
@@ -110,6 +111,8 @@ class Upstream:
         # True once a connection attempt failed, until one succeeds: a stop then
         # spools at once instead of waiting for acks that cannot come.
         self.unreachable = False
+        self._retry_now = asyncio.Event()
+        self._attempt_failed = asyncio.Event()
         self._stream: MessageStream | None = None
         self._warned: set[str] = set()
 
@@ -210,6 +213,22 @@ class Upstream:
             self._memory_bytes -= len(self._memory.popleft().data)
         self._changed.set()
 
+    async def flush_for_stop(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the daemon to ack everything held. While
+        the daemon is unreachable, make one immediate attempt instead of waiting
+        out the backoff, and give up as soon as it fails: a trainer's exit must
+        not wait for a daemon that is down (close() spools what is left)."""
+        waits = [asyncio.ensure_future(self.wait_drained())]
+        if self.unreachable:
+            self._attempt_failed.clear()
+            self._retry_now.set()
+            waits.append(asyncio.ensure_future(self._attempt_failed.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
     async def wait_drained(self) -> None:
         """Return once every held batch has been acked by the daemon."""
         self.pack()
@@ -241,7 +260,11 @@ class Upstream:
                 self._warn_once(f"bug-{type(exc).__name__}", f"unexpected error on the daemon connection: {exc!r}; retrying")
             finally:
                 self.connected = False
-            await asyncio.sleep(self._backoff.next_delay())
+            self._attempt_failed.set()
+            # Back off, but a stop cuts the wait short for one last attempt.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._retry_now.wait(), self._backoff.next_delay())
+            self._retry_now.clear()
 
     async def _connect_and_stream(self) -> None:
         host, port = self.daemon
