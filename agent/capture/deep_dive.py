@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from agent.capture.guard import remove_handles
+
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
@@ -66,11 +68,7 @@ class DeepDive:
         return post
 
     def detach(self) -> None:
-        for handle in self.handles:
-            try:
-                handle.remove()
-            except Exception:
-                pass
+        remove_handles(self.handles)
         self.handles = []
 
     def rows(self, step: int, backward_end: int) -> list[dict[str, Any]]:

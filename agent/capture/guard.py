@@ -8,7 +8,8 @@ entry point catches and reports here instead.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 
 class ErrorGate:
@@ -34,3 +35,13 @@ class ErrorGate:
     def total(self) -> int:
         with self._lock:
             return sum(self.counts.values())
+
+
+def remove_handles(handles: Iterable[Any]) -> None:
+    """Remove torch hook handles, ignoring any that fail: undoing our hooks
+    must never raise into the training process."""
+    for handle in handles:
+        try:
+            handle.remove()
+        except Exception:
+            pass

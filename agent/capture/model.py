@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from agent.capture.guard import remove_handles
 from agent.capture.record import FORWARD, PH_FORWARD, PH_WAIT
 
 
@@ -122,11 +123,7 @@ class ModelState:
         self.comm_hooked = False
 
     def remove_hooks(self) -> None:
-        for handle in self.handles:
-            try:
-                handle.remove()
-            except Exception:
-                pass
+        remove_handles(self.handles)
         self.handles = []
 
 

@@ -411,32 +411,33 @@ def rank_series(
     conn: sqlite3.Connection, session: str, attempt: int, width: int = 200, span: RunSpan | None = None
 ) -> dict[int, list[Point]]:
     """global_rank (or -rank_id when unknown) -> at most ~``width`` points over the whole run."""
-    span = span or run_span(conn, session, attempt)
-    if span.first_step is None or span.last_step is None:
-        return {}
-    level, group = choose_level(span.first_step, span.last_step, width)
-    rows = conn.execute(
+    return _keyed_series(
+        conn, session, attempt, width, span,
         f"SELECT coalesce(r.global_rank, -r.rank_id), h.bucket, {_STAT_SELECT} FROM rank_history h "
         "JOIN ranks r USING (rank_id) WHERE r.session=? AND r.attempt=? AND h.level=? ORDER BY 1, h.bucket",
-        (session, attempt, level),
     )
-    return _series(rows, 1, group)
 
 
 def node_series(
     conn: sqlite3.Connection, session: str, attempt: int, width: int = 200, span: RunSpan | None = None
 ) -> dict[int, list[Point]]:
     """node_rank -> at most ~``width`` points (min/mean/max over the node's ranks)."""
+    return _keyed_series(
+        conn, session, attempt, width, span,
+        f"SELECT node_rank, bucket, {_STAT_SELECT} FROM node_history WHERE session=? AND attempt=? AND level=? "
+        "ORDER BY node_rank, bucket",
+    )
+
+
+def _keyed_series(
+    conn: sqlite3.Connection, session: str, attempt: int, width: int, span: RunSpan | None, sql: str
+) -> dict[int, list[Point]]:
+    """Run a (key, bucket, stats...) query at the level that gives ~``width`` points."""
     span = span or run_span(conn, session, attempt)
     if span.first_step is None or span.last_step is None:
         return {}
     level, group = choose_level(span.first_step, span.last_step, width)
-    rows = conn.execute(
-        f"SELECT node_rank, bucket, {_STAT_SELECT} FROM node_history WHERE session=? AND attempt=? AND level=? "
-        "ORDER BY node_rank, bucket",
-        (session, attempt, level),
-    )
-    return _series(rows, 1, group)
+    return _series(conn.execute(sql, (session, attempt, level)), 1, group)
 
 
 def run_series(conn: sqlite3.Connection, session: str, attempt: int, width: int = 200,
