@@ -28,13 +28,14 @@ class Scenario:
     backward_delay_s: Callable[[int, int], float] = lambda rank, step: 0.0  # (rank, step) -> seconds
     leak_bytes_per_step: Callable[[int], int] = lambda rank: 0
     call_forward_directly: bool = False  # bypasses module hooks: the forward phase is never captured
+    batch: int = 128  # default of --batch
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(default_batch: int = 128) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=512, help="MLP width: enough compute that DDP's all-reduce is minor")
+    p.add_argument("--batch", type=int, default=default_batch)
+    p.add_argument("--hidden", type=int, default=512, help="MLP width")
     p.add_argument("--ms", type=float, default=30.0, help="size of the injected delay, ms")
     return p.parse_args()
 
@@ -61,7 +62,7 @@ class _SlowStepSGD(torch.optim.SGD):
 
 
 def run(scenario: Scenario) -> None:
-    args = parse_args()
+    args = parse_args(scenario.batch)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
