@@ -11,7 +11,8 @@
 Every function here is fail-open: it never raises into the training script
 and never blocks on the network. ``TRACEML_DISABLE=1`` turns all of them into
 cheap no-ops. Importing this package imports neither torch nor the daemon's
-UI/storage stack; the tracer pulls torch in at ``init()``.
+UI/storage stack; ``init()`` imports no torch either: the tracer (which does)
+is built on the agent's background thread.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def init(**overrides: Any) -> None:
 def trace_step(model: Any = None) -> AbstractContextManager[None]:
     """Context manager around one training step of ``model``."""
     try:
-        runtime = _rt.current or _rt.implicit()
-        if runtime is None:
-            return _NULL
-        return runtime.trace_step(model)
+        # The hot path: the model's reusable step context, looked up inline (see
+        # agent.runtime.fast_models); ids are reused after a model dies, hence ref().
+        models = _rt.fast_models
+        if models is not None:
+            ctx = models.get(id(model))
+            if ctx is not None and ctx.ref() is model:
+                return ctx
+        return _rt.step_context(model)
     except Exception as exc:
         _reporter.report("trace_step", f"trace_step failed: {exc!r}")
         return _NULL

@@ -51,6 +51,13 @@ class BatchBuilder:
         self._poll_takes_final = _accepts(getattr(tracer, "poll", None), "final")
         self._resend_models = False
 
+    def set_tracer(self, tracer: TracerLike) -> None:
+        """The runtime builds its tracer lazily, possibly after this builder: attach it."""
+        if tracer is self._tracer:
+            return
+        self._poll_takes_final = _accepts(getattr(tracer, "poll", None), "final")
+        self._tracer = tracer
+
     def resend_models(self) -> None:
         """After a reconnect: the next batch repeats the "models" rows, in case
         the batch that first carried them was dropped from the resend buffer."""

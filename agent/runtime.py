@@ -4,6 +4,21 @@ One Runtime per process, created by ``init()`` (explicitly or by the first
 trace_step/log/span). It owns the recorder, the tracer, the sender thread and,
 on the node's local rank 0, the in-process node relay. Everything here is
 fail-open: failures are reported once on stderr and the training continues.
+
+``init()`` only reads the config and identity and starts the sender thread:
+the tracer (``agent.tracer`` and the capture modules: milliseconds of imports)
+is built and installed by that thread as its first job, once ``start()`` has
+returned, so it is normally in place before the script's first DataLoader
+fetch. It does so only when torch is already imported: importing torch from a
+second thread while the script may be importing it is asking for an import
+deadlock, and a script that has not imported torch has nothing to trace yet.
+Otherwise, or when a training-thread call needs it sooner, the first
+trace_step/log/span builds it (or waits for the build in progress).
+
+The hot path, ``agent.trace_step(model)``, skips this module once the runtime
+is settled: ``fast_models`` publishes the tracer's id(model) -> step context
+map, and ``agent.trace_step`` looks the model up there itself (one dict
+lookup and one weakref call per step, no call into the runtime).
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import contextlib
 import errno
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -76,6 +92,13 @@ def _default_relay_starter() -> RelayStarter:
     return start_relay_thread
 
 
+def _torch_imported() -> bool:
+    """torch is in sys.modules and done initializing (not mid-import on another thread)."""
+    torch = sys.modules.get("torch")
+    spec = getattr(torch, "__spec__", None)
+    return torch is not None and not getattr(spec, "_initializing", False)
+
+
 def _port_in_use(exc: BaseException) -> bool:
     seen: BaseException | None = exc
     while seen is not None:
@@ -109,22 +132,13 @@ class Runtime:
         self._relay_starter = relay_starter or _default_relay_starter
         self.relay: Any = None
         self.recorder = Recorder(config.recorder_bytes)
-        self.tracer: Any = None
-        try:
-            factory = (tracer_factory or _default_tracer_factory)()
-            self.tracer = factory(
-                self.recorder,
-                deep_dive=config.deep_dive,
-                deep_dive_every=config.deep_dive_every,
-                # The tracer warns once per kind with an unprefixed message; one reporter
-                # key per kind so every kind's first failure prints (with one prefix).
-                warn=lambda kind, msg: self.reporter.report(f"tracer:{kind}", msg),
-            )
-        except Exception as exc:
-            self.reporter.report("tracer", f"step capture unavailable ({exc!r}); sending resource samples only")
-        # Only a tracer that says so (agent.tracer.Tracer) is trusted to hand out contexts that
-        # never raise and never swallow; any other (a test double, a plug-in) gets Guarded.
-        self._fail_open = getattr(self.tracer, "FAIL_OPEN_CONTEXTS", False) is True
+        self._tracer_factory = tracer_factory or _default_tracer_factory
+        self._tracer: Any = None
+        self._tracer_built = False  # built (or failed to build): read without the lock
+        self._tracer_lock = threading.Lock()
+        self._stopped = False
+        self._started = threading.Event()  # start() returned: the sender thread may build
+        self._fail_open = False
         self._builder: Any = None
         self.sender = Sender(
             source=self._make_builder,
@@ -135,29 +149,69 @@ class Runtime:
             flush_s=config.flush_s,
             buffer_bytes=config.buffer_bytes,
             reporter=self.reporter,
-            prepare=self._start_relay if config.start_relay else None,
+            prepare=self._prepare,
             on_reconnect=self._on_reconnect,
         )
 
     # --------------------------------------------------------------- lifecycle
 
-    def start(self) -> None:
-        if self.tracer is not None:
+    @property
+    def tracer(self) -> Any:
+        """The step tracer, built on first use (normally by the sender thread); None if unavailable."""
+        if self._tracer_built:
+            return self._tracer
+        return self._build_tracer()
+
+    def _build_tracer(self) -> Any:
+        with self._tracer_lock:
+            if self._tracer_built or self._stopped:
+                return self._tracer
+            tracer: Any = None
             try:
-                self.tracer.install()
+                factory = self._tracer_factory()
+                tracer = factory(
+                    self.recorder,
+                    deep_dive=self.config.deep_dive,
+                    deep_dive_every=self.config.deep_dive_every,
+                    # The tracer warns once per kind with an unprefixed message; one reporter
+                    # key per kind so every kind's first failure prints (with one prefix).
+                    warn=lambda kind, msg: self.reporter.report(f"tracer:{kind}", msg),
+                )
             except Exception as exc:
-                self.reporter.report("tracer", f"step capture unavailable ({exc!r})")
-                self.tracer = None
+                self.reporter.report("tracer", f"step capture unavailable ({exc!r}); sending resource samples only")
+            if tracer is not None:
+                try:
+                    tracer.install()
+                except Exception as exc:
+                    self.reporter.report("tracer", f"step capture unavailable ({exc!r})")
+                    tracer = None
+            # Only a tracer that says so (agent.tracer.Tracer) is trusted to hand out contexts that
+            # never raise and never swallow; any other (a test double, a plug-in) gets Guarded.
+            self._fail_open = getattr(tracer, "FAIL_OPEN_CONTEXTS", False) is True
+            self._tracer = tracer
+            self._tracer_built = True
+        builder = self._builder
+        if builder is not None and tracer is not None:
+            builder.set_tracer(tracer)  # built after the sender's BatchBuilder: hand it over
+        return tracer
+
+    def start(self) -> None:
+        # The tracer is built on the sender thread (its first job, _prepare): init() returns
+        # without importing the capture machinery.
         self.sender.start()
+        self._started.set()
 
     def stop(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         # The relay forwards our last batch upstream, so it needs a slice too.
         sender_share = timeout * (0.75 if self.relay is not None else 1.0)
         self.sender.stop(sender_share)
-        if self.tracer is not None:
+        with self._tracer_lock:  # waits out a build in progress; none starts after this
+            self._stopped = True
+            tracer = self._tracer
+        if tracer is not None:
             try:
-                self.tracer.uninstall()
+                tracer.uninstall()
             except Exception as exc:
                 self.reporter.report("tracer", f"could not remove step hooks: {exc!r}")
         if self._builder is not None and self.sender.finished.is_set():
@@ -170,6 +224,15 @@ class Runtime:
                 self.reporter.report("relay", f"node relay did not stop cleanly: {exc!r}")
 
     # ----------------------------------------------------- sender-thread hooks
+
+    def _prepare(self) -> None:
+        """The sender thread's first job: the tracer, then (if configured) the node relay."""
+        # Let start() (and init()) return first: building now would take the GIL from them.
+        self._started.wait(1.0)
+        if _torch_imported():
+            self._build_tracer()
+        if self.config.start_relay:
+            self._start_relay()
 
     def _start_relay(self) -> None:
         """Local rank 0 hosts the node relay (runs on the sender thread)."""
@@ -197,14 +260,18 @@ class Runtime:
     def _make_builder(self) -> Any:
         from agent.batch import BatchBuilder  # psutil import off the init() path
 
-        self._builder = BatchBuilder(
+        builder = BatchBuilder(
             self.recorder,
-            self.tracer,
+            self._tracer,
             is_node_leader=lambda: self.identity.local_rank == 0,
             counters=self._counters,
             reporter=self.reporter,
         )
-        return self._builder
+        self._builder = builder
+        # A tracer the training thread built meanwhile (its build hands it to _builder too).
+        if self._tracer is not None:
+            builder.set_tracer(self._tracer)
+        return builder
 
     def _on_reconnect(self) -> None:
         if self._builder is not None:
@@ -225,9 +292,10 @@ class Runtime:
         self._refresh_identity()
         ident = self.identity
         wire = ident.wire()
-        if self.tracer is not None:
+        tracer = self._tracer  # not built yet: this thread does not build it for the hello
+        if tracer is not None:
             try:
-                wire["parallelism"] = str(self.tracer.parallelism())
+                wire["parallelism"] = str(tracer.parallelism())
             except Exception:
                 self.reporter.count("tracer-parallelism")
         return HelloInfo(sender=agent_sender_id(ident, self._rand), session=ident.session, identity=wire)
@@ -247,16 +315,19 @@ class Runtime:
         self.sender.poke()
 
     def trace_step(self, model: Any) -> Any:
-        if not self._settled:
-            self.settle()
         tracer = self.tracer
         if tracer is None:
-            return NULL_CONTEXT
-        if self._fail_open:
+            ctx: Any = NULL_CONTEXT
+        elif self._fail_open:
             # The tracer's per-model context is reused every step and already
             # catches its own errors: no wrapper to allocate on the hot path.
-            return tracer.trace_step(model)
-        return Guarded(tracer.trace_step(model), self.reporter, "step")
+            ctx = tracer.trace_step(model)
+        else:
+            ctx = Guarded(tracer.trace_step(model), self.reporter, "step")
+        if not self._settled:
+            # After the model is registered, so the hello this lets out knows its parallelism.
+            self.settle()
+        return ctx
 
     def span(self, name: str, args: dict[str, Any]) -> Any:
         tracer = self.tracer
@@ -271,6 +342,9 @@ class Runtime:
 
 _lock = threading.Lock()
 current: Runtime | None = None  # read without the lock on the hot path
+# The current runtime's Tracer.models once it is settled and fail-open, else None; read
+# without the lock by agent.trace_step, written under it (publish, shutdown, fork).
+fast_models: dict[int, Any] | None = None
 disabled = False
 _initialized = False  # init ran (or was attempted) in this process
 _forked_child = False
@@ -309,6 +383,27 @@ def init(
         return runtime
 
 
+def step_context(model: Any) -> Any:
+    """agent.trace_step when its lookup in ``fast_models`` missed: init, settle, a new model."""
+    runtime = current or implicit()
+    if runtime is None:
+        return NULL_CONTEXT
+    ctx = runtime.trace_step(model)
+    if runtime._fail_open and runtime._settled:
+        _publish(runtime)
+    return ctx
+
+
+def _publish(runtime: Runtime) -> None:
+    global fast_models
+    models = getattr(runtime._tracer, "models", None)
+    if not isinstance(models, dict):
+        return
+    with _lock:
+        if current is runtime:  # not shut down (or forked) meanwhile
+            fast_models = models
+
+
 def implicit() -> Runtime | None:
     """The runtime for a call made before init(): init once, never after shutdown."""
     if disabled or _forked_child or _initialized:
@@ -317,9 +412,10 @@ def implicit() -> Runtime | None:
 
 
 def shutdown(timeout: float | None = None) -> None:
-    global current
+    global current, fast_models
     with _lock:
         runtime, current = current, None
+        fast_models = None
     if runtime is not None:
         runtime.stop(runtime.config.shutdown_timeout_s if timeout is None else timeout)
 
@@ -338,9 +434,10 @@ def _after_fork_in_child() -> None:
     been held at fork time, so the child forgets everything instead of
     trying to shut it down.
     """
-    global _lock, current, _forked_child
+    global _lock, current, _forked_child, fast_models
     _lock = threading.Lock()
     current = None
+    fast_models = None
     _forked_child = True
     reporter.after_fork()
 

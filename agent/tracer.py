@@ -12,14 +12,20 @@ Hot-path budget: the training thread pays, per step, the context's enter and
 exit, two forward hooks, the backward wrapper, two optimizer hooks and the
 DataLoader patch. Inside a real step all of that runs with cold caches (the
 step's own torch work evicts it), where every bytecode, call and touched
-object costs several times its hot-loop price; so the hooks do their work
-inline (no call into a Tracer method on CPU), and nothing scales with the
-number of submodules.
+object costs several times its hot-loop price (measured: a trivial Python
+``__exit__`` takes ~0.4 us after a 2 ms step of 512 modules, ~0.1 us in a
+loop). So the hooks do their work inline (no call into a Tracer method on
+CPU), no status object is published per phase change (``status()`` derives
+it), a record is created without an ``__init__`` frame, every uncommon branch
+of step enter/exit sits out of line behind one flag (``_rare``), and nothing
+walks or hooks the submodules. What remains grows somewhat with the size of
+the step all the same: a bigger step leaves the same code colder.
 
 Thread model: the training thread owns every ``StepRecord`` while it runs;
 ``poll()`` only touches records already handed over through a deque (append
-and popleft are atomic under the GIL), and ``status()`` reads one tuple that
-the training thread replaces whole, so neither needs a lock.
+and popleft are atomic under the GIL), and ``status()`` derives the phase from
+the active record's depths and times (see its docstring), so neither needs a
+lock.
 """
 
 from __future__ import annotations
@@ -47,7 +53,11 @@ from agent.capture.record import (
     H2D,
     IDLE,
     OPTIMIZER,
+    PH_BACKWARD,
+    PH_DATALOADER,
+    PH_FORWARD,
     PH_H2D,
+    PH_OPTIMIZER,
     PH_WAIT,
     StepRecord,
     derive_wait,
@@ -55,6 +65,7 @@ from agent.capture.record import (
 from agent.recorder import Recorder
 
 _AUTO: Any = object()
+_new_record = object.__new__
 # Device triple slot for copies made before the step entered (outside its event window).
 _H2D_OUT = 6
 # Finished steps waiting for poll(): bounded (a record is a few hundred bytes) so a sender
@@ -93,64 +104,62 @@ class _StepContext(ModelState):
         super().__init__(model_id, model, info)
         self._tracer = tracer
         self._perf = tracer._perf
-        self.ctx = self
 
     def __enter__(self) -> None:
         try:
-            state = self
-            if state.current is not None:  # same model re-entered: the outer step owns it
-                state.nest += 1
+            if self.current is not None:  # same model re-entered: the outer step owns it
+                self.nest += 1
                 return
             tracer = self._tracer
-            t = self._perf()
-            rec = StepRecord(state.model_id, state.steps, t)
-            if tracer._fetches:
-                tracer._take_fetch(rec)
-            elif tracer._any_fetch:
+            # Every field the host path reads before writing (see StepRecord), set inline:
+            # no __init__ frame on the training thread.
+            rec = _new_record(StepRecord)
+            rec.model_id = self.model_id
+            rec.step = self.steps
+            rec.ph_end = rec.t_enter = self._perf()
+            rec.dl_in = rec.h2d = rec.h2d_out = rec.fwd = rec.bwd = rec.opt = 0
+            rec.fwd_depth = rec.bwd_depth = rec.opt_depth = rec.opt_t0 = rec.comm_wait = 0
+            rec.comm = rec.deep = None
+            fed_ns = tracer._fed_ns
+            if fed_ns >= 0:  # the loader that fed the last step fetched again: the common case
+                rec.dl_out = fed_ns
                 rec.has_dl = True
-            if tracer._h2d_out:
-                rec.h2d_out = tracer._h2d_out
-                tracer._h2d_out = 0
-            if tracer._backend is not None:
-                tracer._enter_device(rec)
-            if state.leaves is not None and state.steps % tracer._deep_every == 0:
-                tracer._start_deep(rec, state)
+                tracer._fed_ns = -1
+            else:
+                rec.dl_out = 0
+                rec.has_dl = tracer._any_fetch  # a loader is in use: this step waited 0 for it
+            # Everything else (other loaders' fetches, H2D before the step, device events, a deep
+            # dive) is behind one flag: cold bytecode is what a step pays for most.
+            if tracer._rare or self.leaves is not None:
+                tracer._enter_rare(rec, self, fed_ns >= 0)
             rec.prev = tracer._active
             tracer._active = rec
-            state.current = rec
-            tracer._status = (PH_WAIT, t, rec.step)
+            self.current = rec
         except Exception as exc:
             self._tracer._gate.fail("step_enter", exc)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         try:
-            state = self
-            if state.nest:
-                state.nest -= 1
-                return False
-            rec = state.current
-            if rec is None:
+            rec = self.current
+            if rec is None or self.nest:
+                if self.nest:
+                    self.nest -= 1
                 return False
             tracer = self._tracer
-            state.current = None
-            t = self._perf()
-            rec.t_exit = t
-            prev = rec.prev
+            self.current = None
+            rec.t_exit = self._perf()
+            tracer._active = rec.prev
             rec.prev = None  # queued records must not keep a chain of older ones alive
-            tracer._active = prev
-            if tracer._backend is not None:
-                tracer._exit_device(rec)
-            tracer._status = (IDLE if prev is None else PH_WAIT, t, rec.step)
-            if rec.deep is not None or exc_type is not None:
-                tracer._finish_rare(rec, state, t, exc_type is not None)
+            tracer._last = rec  # status() and rows outside a step read the last step from it
+            if exc_type is not None or rec.deep is not None or tracer._backend is not None:
+                tracer._exit_rare(rec, self, exc_type is not None)
                 return False
-            state.steps += 1
+            # On CPU the deque's maxlen drops the oldest record when nothing polled for
+            # MAX_PENDING_STEPS steps; counted from the totals (Tracer.steps_dropped).
+            # Append before counting, so a concurrent count never sees a phantom drop.
+            tracer._pending.append(rec)
+            self.steps += 1
             tracer._steps_done += 1
-            tracer._last_step = rec.step
-            pending = tracer._pending
-            if len(pending) >= MAX_PENDING_STEPS and tracer._backend is None:
-                tracer._drop_oldest()
-            pending.append(rec)
         except Exception as err:
             self._tracer._gate.fail("step_exit", err)
         return False  # never swallow the user's exception
@@ -185,21 +194,34 @@ class Tracer:
         # wall = perf + offset; status() converts without a clock call on the hot path.
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
         self._active: StepRecord | None = None
-        self._status: tuple[str, int, int | None] = (IDLE, self._perf(), None)
+        # What status() reads besides the active record: the last step closed (its step
+        # number, when the thread went idle), the start of a DataLoader fetch / H2D copy in progress.
+        self._last: StepRecord | None = None
+        self._created = self._perf()
+        self._dl_t0 = 0
+        self._h2d_t0 = 0
         self._steps_done = 0
-        self._last_step: int | None = None
         self._models: dict[int, ModelState] = {}
         self._none_state: ModelState | None = None
         self._next_model_id = 0
-        # DataLoader fetches since the last step entered: dataset id -> (seq, ns).
+        # DataLoader fetches since the last step entered: the fed loader's last wait
+        # (-1: none), any other loader's by dataset id -> (seq, ns).
+        self._fed_ns = -1
         self._fetches: dict[int, tuple[int, int]] = {}
         self._fetch_seq = 0
         self._fed_by: int | None = None
         self._any_fetch = False
+        # Step enter takes its out-of-line branch (_enter_rare): set by another loader's fetch
+        # or an H2D copy between steps, always on a device backend.
+        self._rare = self._backend is not None
         # H2D copies made outside any step: charged to the next step.
         self._h2d_out = 0
         self._h2d_out_dev: list[tuple[int, Any, Any]] = []
-        self._pending: deque[StepRecord] = deque()
+        # CPU records are final at exit, so the oldest may go when the queue is full; device
+        # records hold pooled events and leave only through poll() (resolved or timed out).
+        self._pending: deque[StepRecord] = deque(maxlen=MAX_PENDING_STEPS) if self._backend is None else deque()
+        self._emitted = 0  # records poll() turned into rows
+        self._dropped_seen = 0
         from agent.capture.scalars import LazyScalars
 
         self._scalars = LazyScalars()
@@ -208,7 +230,6 @@ class Tracer:
         self._installed = False
         self.device_steps_dropped = 0  # steps whose events timed out: host timings used
         self.device_steps_fallback = 0  # steps that lost an event (pool exhausted): host timings used
-        self.steps_dropped = 0  # CPU steps dropped because nothing polled for MAX_PENDING_STEPS steps
 
     # ------------------------------------------------------------------ install
 
@@ -245,11 +266,12 @@ class Tracer:
 
     def trace_step(self, model: torch.nn.Module | None = None) -> Any:
         try:
-            # Every step after the model's first: one dict lookup and one weakref call.
+            # Every step after the model's first: one dict lookup and one weakref call
+            # (agent.trace_step inlines the same lookup on ``models``).
             state = self._models.get(id(model))
             if state is not None and state.ref() is model:
-                return state.ctx
-            return self._model_state(model).ctx
+                return state
+            return self._model_state(model)
         except Exception as exc:
             self._gate.fail("trace_step", exc)
             return _NULL
@@ -295,8 +317,16 @@ class Tracer:
             self._gate.fail("instant", exc)
 
     def status(self) -> dict[str, Any]:
+        """The training thread's phase now, derived from what the hooks already store.
+
+        Runs on the sender thread, about once a second. Hooks write a phase's
+        start before raising its depth and its end before lowering it, so a
+        read racing them reports the neighbouring phase for that instant at
+        worst, and the next read is right: cheaper for the training thread
+        than publishing a status object at every phase change.
+        """
         try:
-            phase, since, step = self._status  # one tuple, replaced whole: no tearing
+            phase, since, step = self._phase()
             return {
                 "phase": phase,
                 "phase_since": (since + self._wall_offset_ns) / 1e9,
@@ -306,6 +336,36 @@ class Tracer:
         except Exception as exc:
             self._gate.fail("status", exc)
             return {"phase": IDLE, "phase_since": time.time(), "step": None, "steps_done": 0}
+
+    @property
+    def _last_step(self) -> int | None:
+        last = self._last
+        return last.step if last is not None else None
+
+    def _phase(self) -> tuple[str, int, int | None]:
+        rec = self._active
+        step = rec.step if rec is not None else self._last_step
+        t = self._dl_t0
+        if t:
+            return PH_DATALOADER, t, step
+        t = self._h2d_t0
+        if t:
+            return PH_H2D, t, step
+        if rec is None:
+            last = self._last
+            return IDLE, last.t_exit if last is not None else self._created, step
+        if rec.bwd_depth > 0:
+            start = rec.bwd_end  # the start while backward runs
+            wait = rec.comm_wait
+            # DDP launched this backward's last bucket: compute is over, the rank waits.
+            if wait > start:
+                return PH_WAIT, wait, step
+            return PH_BACKWARD, start, step
+        if rec.opt_depth > 0:
+            return PH_OPTIMIZER, rec.opt_t0, step
+        if rec.fwd_depth > 0:
+            return PH_FORWARD, rec.fwd_t0, step
+        return PH_WAIT, rec.ph_end, step
 
     def poll(self, final: bool = False) -> None:
         """Resolve device events and lazy scalars; ``final`` (shutdown) stops waiting on the device."""
@@ -325,9 +385,7 @@ class Tracer:
 
     def parallelism(self) -> str:
         try:
-            kinds = {state.info.parallelism for state in self._models.values()}
-            if self._none_state is not None:
-                kinds.add(self._none_state.info.parallelism)
+            kinds = {state.info.parallelism for state in self._states()}
             for kind in ("fsdp2", "ddp"):
                 if kind in kinds:
                     return kind
@@ -337,10 +395,21 @@ class Tracer:
 
     # Extras for the runtime (not part of the fixed interface).
 
+    @property
+    def models(self) -> dict[int, Any]:
+        """id(model) -> its step context (``.ref()`` is the model: ids are reused after a
+        model dies); ``None`` is registered too. The runtime's fast path reads it."""
+        return self._models
+
+    def _states(self) -> list[ModelState]:
+        states = {id(s): s for s in list(self._models.values())}
+        if self._none_state is not None:
+            states[id(self._none_state)] = self._none_state
+        return sorted(states.values(), key=lambda s: s.model_id)
+
     def model_rows(self) -> list[dict[str, Any]]:
         """One "models" row per traced model (to resend after a reconnect)."""
-        states = list(self._models.values()) + ([self._none_state] if self._none_state else [])
-        return [s.info.row(s.model_id) for s in sorted(states, key=lambda s: s.model_id)]
+        return [s.info.row(s.model_id) for s in self._states()]
 
     def counters(self) -> dict[str, int]:
         """Cumulative loss/failure counters, for the "drops" table."""
@@ -361,6 +430,8 @@ class Tracer:
         if model is None:
             if self._none_state is None:
                 self._none_state = self._new_state(None)
+            # Its ref() returns None, so the one lookup in trace_step finds it too.
+            self._models[id(None)] = self._none_state
             return self._none_state
         state = self._models.get(id(model))
         if state is not None and state.ref() is model:
@@ -398,18 +469,33 @@ class Tracer:
 
     # ------------------------------------------- step enter/exit: the rarer branches
 
-    def _take_fetch(self, rec: StepRecord) -> None:
-        """Charge the DataLoader wait that preceded this step (fetches made since the last enter)."""
+    def _enter_rare(self, rec: StepRecord, state: ModelState, fed: bool) -> None:
+        """Step enter's out-of-line branch (see _StepContext.__enter__)."""
         fetches = self._fetches
-        # Prefer the loader that fed the previous step: a validation loader
-        # iterated in between must not be charged to training.
-        pick = fetches.get(self._fed_by) if self._fed_by is not None else None
-        if pick is None:
-            key = max(fetches, key=lambda k: fetches[k][0])
-            pick = fetches[key]
-            self._fed_by = key
-        rec.dl_out = pick[1]
+        if fetches:
+            if fed:
+                fetches.clear()  # the fed loader fetched: other loaders (validation) ran in between
+            else:
+                self._take_fetch(rec)
+        if self._h2d_out:
+            rec.h2d_out = self._h2d_out
+            self._h2d_out = 0
+        if self._backend is not None:
+            self._enter_device(rec)
+        if state.leaves is not None and state.steps % self._deep_every == 0:
+            self._start_deep(rec, state)
+        self._rare = self._backend is not None
+
+    def _take_fetch(self, rec: StepRecord) -> None:
+        """No fetch from the loader that fed the last step, but others: the latest feeds this one.
+
+        The first step, or training moved to another loader (a new dataset).
+        """
+        fetches = self._fetches
+        key = max(fetches, key=lambda k: fetches[k][0])
+        rec.dl_out = fetches[key][1]
         rec.has_dl = True
+        self._fed_by = key
         fetches.clear()
 
     def _enter_device(self, rec: StepRecord) -> None:
@@ -437,73 +523,80 @@ class Tracer:
         except Exception as exc:
             self._gate.fail("deep_dive", exc)
 
-    def _finish_rare(self, rec: StepRecord, state: ModelState, t: int, failed: bool) -> None:
-        """Step exit with a deep dive to close or a user exception: off the common path."""
+    def _exit_rare(self, rec: StepRecord, state: ModelState, failed: bool) -> None:
+        """Step exit with device events, a deep dive to close or a user exception: off the common path."""
+        backend = self._backend
+        if backend is not None:
+            self._exit_device(rec)
         deep = rec.deep
         if deep is not None:
             rec.deep = None
             deep.detach()
         if failed:  # the user's step raised: no row and no step number used
-            backend = self._backend
             if backend is not None:
                 for ev in self._events(rec):
                     backend.release(ev)
             return
+        self._pending.append(rec)
         state.steps += 1
         self._steps_done += 1
-        self._last_step = rec.step
-        if len(self._pending) >= MAX_PENDING_STEPS and self._backend is None:
-            self._drop_oldest()
-        self._pending.append(rec)
         if deep is not None:
-            for row in deep.rows(rec.step, getattr(rec, "bwd_end", 0) or t):
+            for row in deep.rows(rec.step, getattr(rec, "bwd_end", 0) or rec.t_exit):
                 self._emit("layers", row)
 
-    def _drop_oldest(self) -> None:
-        # CPU records only: poll() pops before it reads (see _resolve_pending), so
-        # this popleft cannot race it into emitting one record twice.
-        try:
-            self._pending.popleft()
-            self.steps_dropped += 1
-        except IndexError:
-            pass
+    @property
+    def steps_dropped(self) -> int:
+        """CPU steps dropped because nothing polled for MAX_PENDING_STEPS steps (cumulative).
+
+        Derived (appended - emitted - queued) instead of counted at the drop, which the
+        deque's maxlen does silently: the training thread pays no length check per step.
+        The training thread appends before counting and poll() pops before counting, so a
+        racing read can only come out low; keeping the maximum makes it monotonic.
+        """
+        if self._backend is not None:
+            return 0
+        done = self._steps_done
+        emitted = self._emitted
+        self._dropped_seen = max(self._dropped_seen, done - emitted - len(self._pending))
+        return self._dropped_seen
 
     # --------------------------------------------------------- phase callbacks
     # Forward, backward, optimizer and DataLoader timing are inlined in the
     # capture modules' hooks (agent.capture.*); what stays here is device-only
     # or per-bucket work, where a method call is not the cost that matters.
 
-    def _h2d_begin(self) -> tuple[int, Any, tuple[str, int, int | None]]:
+    def _h2d_begin(self) -> tuple[int, Any]:
         try:
             t = self._perf()
             ev = self._backend.mark() if self._backend is not None else None
-            prev = self._status
-            self._status = (PH_H2D, t, prev[2])
-            return (t, ev, prev)
+            self._h2d_t0 = t
+            return (t, ev)
         except Exception as exc:
             self._gate.fail("h2d", exc)
-            return (0, None, self._status)
+            return (0, None)
 
-    def _h2d_end(self, token: tuple[int, Any, tuple[str, int, int | None]]) -> None:
+    def _h2d_end(self, token: tuple[int, Any]) -> None:
         try:
-            t0, ev0, prev = token
+            t0, ev0 = token
             if not t0:
                 return
+            self._h2d_t0 = 0
             t = self._perf()
             rec = self._active
             if rec is not None:
                 rec.h2d += t - t0
+                rec.ph_end = t
                 if self._backend is not None:
                     self._dev_pair(rec, H2D, ev0)
             else:
                 self._h2d_out += t - t0
+                self._rare = True  # the next step's enter charges it
                 if self._backend is not None and ev0 is not None:
                     ev1 = self._backend.mark()
                     if ev1 is not None:
                         self._h2d_out_dev.append((_H2D_OUT, ev0, ev1))
                     else:
                         self._backend.release(ev0)
-            self._status = (prev[0], t, prev[2])
         except Exception as exc:
             self._gate.fail("h2d", exc)
 
@@ -517,8 +610,7 @@ class Tracer:
     def _comm_wait(self, rec: StepRecord) -> None:
         """The last DDP bucket was launched: backward compute is done, the rest is waiting."""
         try:
-            # Set from the thread that ran the hook (the autograd thread); one tuple, replaced whole.
-            self._status = (PH_WAIT, self._perf(), rec.step)
+            rec.comm_wait = self._perf()  # set from the autograd thread; status() compares it
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
 
@@ -597,13 +689,14 @@ class Tracer:
         backend = self._backend
         pending = self._pending
         if backend is None:
-            # Host timings are final at exit. Pop before reading: the training thread may
-            # drop the oldest record concurrently when the queue is full (deque ops are atomic).
+            # Host timings are final at exit. Pop before reading: the training thread's append
+            # may drop the oldest record concurrently when the queue is full (deque ops are atomic).
             while True:
                 try:
                     rec = pending.popleft()
                 except IndexError:
                     return
+                self._emitted += 1
                 self._emit("steps", self._host_row(rec))
         now = self._perf()
         while pending:

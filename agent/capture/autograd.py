@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.capture.record import BACKWARD, PH_BACKWARD, PH_WAIT
+from agent.capture.record import BACKWARD
 
 
 def install(tracer: Any) -> Callable[[], None]:
@@ -29,14 +29,14 @@ def install(tracer: Any) -> Callable[[], None]:
         if rec is None:
             return orig(*args, **kwargs)
         try:
-            depth = rec.bwd_depth + 1
-            rec.bwd_depth = depth
-            if depth == 1:
-                t = perf()
-                rec.bwd_end = t  # reused as the start until the outermost backward returns
+            depth = rec.bwd_depth
+            if depth == 0:
+                # Reused as the start until the outermost backward returns; written
+                # before the depth, which is what status() checks first.
+                rec.bwd_end = perf()
                 if backend is not None:
                     rec.bwd_ev0 = backend.mark()
-                tracer._status = (PH_BACKWARD, t, rec.step)
+            rec.bwd_depth = depth + 1
         except Exception as exc:
             fail("backward", exc)
         try:
@@ -45,15 +45,15 @@ def install(tracer: Any) -> Callable[[], None]:
             try:
                 depth = rec.bwd_depth
                 if depth > 0:
-                    rec.bwd_depth = depth - 1
                     if depth == 1:
                         t = perf()
                         rec.bwd += t - rec.bwd_end
                         rec.bwd_end = t
+                        rec.ph_end = t
                         if backend is not None:
                             tracer._dev_pair(rec, BACKWARD, rec.bwd_ev0)
                             rec.bwd_ev0 = None
-                        tracer._status = (PH_WAIT, t, rec.step)
+                    rec.bwd_depth = depth - 1
             except Exception as exc:
                 fail("backward", exc)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from agent.capture.guard import remove_handles
-from agent.capture.record import FORWARD, PH_FORWARD, PH_WAIT
+from agent.capture.record import FORWARD
 
 
 class ModelInfo:
@@ -107,7 +107,7 @@ def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 class ModelState:
     """Per traced model: id, step counter, hooks, the step in progress."""
 
-    __slots__ = ("model_id", "ref", "info", "steps", "handles", "current", "nest", "ctx", "leaves", "comm_hooked",
+    __slots__ = ("model_id", "ref", "info", "steps", "handles", "current", "nest", "leaves", "comm_hooked",
                  "__weakref__")
 
     def __init__(self, model_id: int, model: torch.nn.Module | None, info: ModelInfo) -> None:
@@ -118,7 +118,6 @@ class ModelState:
         self.handles: list[Any] = []
         self.current: Any = None
         self.nest = 0
-        self.ctx: Any = None
         self.leaves: list[tuple[str, torch.nn.Module]] | None = None
         self.comm_hooked = False
 
@@ -147,14 +146,12 @@ def hook_forward(model: torch.nn.Module, tracer: Any) -> list[Any]:
         if rec is None:
             return
         try:
-            depth = rec.fwd_depth + 1
-            rec.fwd_depth = depth
-            if depth == 1:
-                t = perf()
-                rec.fwd_t0 = t
+            depth = rec.fwd_depth
+            if depth == 0:
+                rec.fwd_t0 = perf()  # before the depth: status() reads the start once depth > 0
                 if backend is not None:
                     rec.fwd_ev0 = backend.mark()
-                tracer._status = (PH_FORWARD, t, rec.step)
+            rec.fwd_depth = depth + 1
         except Exception as exc:
             fail("forward", exc)
 
@@ -166,14 +163,14 @@ def hook_forward(model: torch.nn.Module, tracer: Any) -> list[Any]:
             depth = rec.fwd_depth
             if depth <= 0:  # entered before the step opened: nothing to close
                 return
-            rec.fwd_depth = depth - 1
             if depth == 1:
                 t = perf()
                 rec.fwd += t - rec.fwd_t0
+                rec.ph_end = t
                 if backend is not None:
                     tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
                     rec.fwd_ev0 = None
-                tracer._status = (PH_WAIT, t, rec.step)
+            rec.fwd_depth = depth - 1
         except Exception as exc:
             fail("forward", exc)
 

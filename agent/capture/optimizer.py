@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.capture.record import OPTIMIZER, PH_OPTIMIZER, PH_WAIT
+from agent.capture.record import OPTIMIZER
 
 
 def install(tracer: Any) -> Callable[[], None]:
@@ -27,14 +27,12 @@ def install(tracer: Any) -> Callable[[], None]:
             return
         try:
             # A subclass whose step() calls super().step() fires the global hooks twice, nested.
-            depth = rec.opt_depth + 1
-            rec.opt_depth = depth
-            if depth == 1:
-                t = perf()
-                rec.opt_t0 = t
+            depth = rec.opt_depth
+            if depth == 0:
+                rec.opt_t0 = perf()  # before the depth: status() reads the start once depth > 0
                 if backend is not None:
                     rec.opt_ev0 = backend.mark()
-                tracer._status = (PH_OPTIMIZER, t, rec.step)
+            rec.opt_depth = depth + 1
         except Exception as exc:
             fail("optimizer", exc)
 
@@ -46,16 +44,15 @@ def install(tracer: Any) -> Callable[[], None]:
             depth = rec.opt_depth
             if depth <= 0:
                 return
+            if depth == 1 and rec.opt_t0:
+                t = perf()
+                rec.opt += t - rec.opt_t0
+                rec.opt_t0 = 0
+                rec.ph_end = t
+                if backend is not None:
+                    tracer._dev_pair(rec, OPTIMIZER, rec.opt_ev0)
+                    rec.opt_ev0 = None
             rec.opt_depth = depth - 1
-            if depth > 1 or not rec.opt_t0:
-                return
-            t = perf()
-            rec.opt += t - rec.opt_t0
-            rec.opt_t0 = 0
-            if backend is not None:
-                tracer._dev_pair(rec, OPTIMIZER, rec.opt_ev0)
-                rec.opt_ev0 = None
-            tracer._status = (PH_WAIT, t, rec.step)
         except Exception as exc:
             fail("optimizer", exc)
 

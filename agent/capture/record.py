@@ -3,7 +3,15 @@
 One ``StepRecord`` per traced step. Hooks add host nanoseconds straight into
 slots (no dicts, no string keys on the hot path); on a device backend they
 also append ``(slot, start_event, end_event)`` triples resolved later in
-``poll()``. Slots index ``PHASE_NAMES``.
+``poll()``.
+
+The record also carries what ``Tracer.status()`` reads to say which phase the
+training thread is in: the nesting depths, each open phase's start time and
+``ph_end`` (when the last phase closed, i.e. since when the step has been
+"waiting"). Hooks write the start time before raising the depth and the end
+time before lowering it, so a reader on another thread sees at worst the
+previous phase for the instant between two stores; no tuple is allocated
+per phase change.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ BACKWARD = 3
 OPTIMIZER = 4
 COMM = 5
 
-# Status phases (interned strings, assigned as-is on the hot path).
+# Status phases (interned strings; Tracer.status() derives which one holds).
 IDLE = "idle"
 PH_DATALOADER = "dataloader"
 PH_H2D = "h2d"
@@ -53,6 +61,9 @@ class StepRecord:
         "opt_t0",
         "opt_depth",
         "opt_ev0",
+        # status: when the last phase closed; when DDP launched its last bucket (0: not yet)
+        "ph_end",
+        "comm_wait",
         # DDP comm hook: host (start, end) per bucket, None when not measured
         "comm",
         # device timing: None on CPU; else enter/exit events and triples
@@ -66,30 +77,13 @@ class StepRecord:
         "has_dl",
     )
 
-    def __init__(self, model_id: int, step: int, t_enter: int) -> None:
-        # Only what the host path reads before writing is set here: a step opens
-        # on the training thread, where every store counts (about 30 ns each with
-        # the step's own work evicting the caches). Device fields are set by
-        # Tracer._enter_device; fwd_t0/bwd_end/t_exit are written before any read;
-        # the row builder reads peak/reserved bytes with a None default.
-        self.model_id = model_id
-        self.step = step
-        self.t_enter = t_enter
-        self.prev: StepRecord | None = None
-        self.dl_in = 0
-        self.dl_out = 0
-        self.h2d = 0
-        self.h2d_out = 0
-        self.fwd = 0
-        self.bwd = 0
-        self.opt = 0
-        self.fwd_depth = 0
-        self.bwd_depth = 0
-        self.opt_depth = 0
-        self.opt_t0 = 0
-        self.comm: list[tuple[int, int]] | None = None
-        self.deep: Any = None
-        self.has_dl = False
+    # No __init__: a step opens on the training thread, where a Python-level
+    # __init__ is one more frame per step. The tracer's step enter
+    # (agent.tracer._StepContext.__enter__) creates records with
+    # ``object.__new__`` and sets every field the host path reads before
+    # writing; device fields are set by ``init_device``; fwd_t0/bwd_end/t_exit
+    # are written before any read; the row builder reads peak/reserved bytes
+    # with a None default.
 
     def init_device(self) -> None:
         """The device-path fields (CUDA events, memory), unset on the host path."""

@@ -405,20 +405,30 @@ def test_tracer_counters_reach_the_drops_rows(recorder: Recorder) -> None:
 
 
 def test_finished_steps_become_rows_on_poll_and_the_queue_is_bounded(
-    tracer: Tracer, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import agent.tracer as tracer_mod
 
-    monkeypatch.setattr(tracer_mod, "MAX_PENDING_STEPS", 3)
-    model = Net()
-    for _ in range(5):
-        with tracer.trace_step(model):
-            model(torch.randn(2, 4))
-    assert "steps" not in recorder.drain()  # the training thread built no row
-    rows = steps_of(tracer, recorder)
-    assert [r["step"] for r in rows] == [2, 3, 4]  # the oldest were dropped, not the newest
-    assert tracer.counters()["steps_dropped"] == 2
-    assert tracer.status()["steps_done"] == 5
+    monkeypatch.setattr(tracer_mod, "MAX_PENDING_STEPS", 3)  # the queue's bound is fixed at construction
+    tracer = Tracer(recorder, event_backend=None)
+    tracer.install()
+    try:
+        model = Net()
+        for _ in range(5):
+            with tracer.trace_step(model):
+                model(torch.randn(2, 4))
+        assert "steps" not in recorder.drain()  # the training thread built no row
+        rows = steps_of(tracer, recorder)
+        assert [r["step"] for r in rows] == [2, 3, 4]  # the oldest were dropped, not the newest
+        assert tracer.counters()["steps_dropped"] == 2
+        assert tracer.status()["steps_done"] == 5
+        for _ in range(2):  # polled in time: nothing more is dropped, and the count never goes back
+            with tracer.trace_step(model):
+                model(torch.randn(2, 4))
+        assert [r["step"] for r in steps_of(tracer, recorder)] == [5, 6]
+        assert tracer.counters()["steps_dropped"] == 2
+    finally:
+        tracer.uninstall()
 
 
 def test_public_trace_step_reuses_one_context_and_stays_fail_open(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -441,9 +451,48 @@ def test_public_trace_step_reuses_one_context_and_stays_fail_open(monkeypatch: p
             raise RuntimeError("tracer bug")
 
         monkeypatch.setattr(runtime.tracer, "_take_fetch", broken)
-        runtime.tracer._fetches[1] = (1, 5)  # forces the broken branch on enter
+        runtime.tracer._fetches[1] = (1, 5)  # another loader's fetch: forces the broken branch on enter
+        runtime.tracer._rare = True
         with runtime.trace_step(model):  # the tracer's own error never reaches the user
             model(torch.randn(2, 4))
         assert runtime.tracer.counters()["tracer_errors"] >= 1
     finally:
         runtime.tracer.uninstall()
+
+
+def test_public_trace_step_looks_the_model_up_without_the_runtime_once_settled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import agent
+    from agent import runtime
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TRACEML_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRACEML_NO_RELAY", "1")
+    monkeypatch.setenv("TRACEML_DAEMON", "127.0.0.1:9")
+    monkeypatch.setattr(runtime, "_initialized", False)
+    monkeypatch.setattr(runtime, "disabled", False)
+    agent.init()
+    try:
+        model = Net()
+        first = agent.trace_step(model)  # the slow path: settles, registers the model, publishes
+        assert runtime.fast_models is not None
+
+        def no_runtime(model: Any) -> Any:
+            raise AssertionError("the runtime was asked")
+
+        slow_path = runtime.step_context
+        runtime.step_context = no_runtime
+        try:
+            with agent.trace_step(model) as entered:
+                assert entered is None
+                model(torch.randn(2, 4)).sum().backward()
+            assert agent.trace_step(model) is first
+        finally:
+            runtime.step_context = slow_path
+        other = Net()  # a new model misses the lookup: registered through the runtime
+        assert agent.trace_step(other) is not first
+    finally:
+        agent.shutdown()
+    assert runtime.fast_models is None
+    assert agent.trace_step(model) is runtime.NULL_CONTEXT  # after shutdown: a no-op context
