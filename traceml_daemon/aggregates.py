@@ -2,8 +2,14 @@
 
 Live views (diagnosis, TUI, metrics) need "median step time of rank r over the
 last N steps" every refresh; rescanning SQLite for it would grow with the run.
-Instead the writer pushes each committed step row here: a fixed-size deque per
-series, so memory is O(ranks x N) and a median costs O(N log N) on demand.
+Instead the writer pushes each committed batch of step columns here: a
+fixed-size ring per series, so memory is O(ranks x N) and a median costs
+O(N log N) on demand.
+
+Pushing is O(1) (the columns are kept as they are); they are folded into the
+windows when a view is read, or once a rank holds a window's worth, so the
+ingest path pays one fold per rank per read (or per N steps), not one per
+committed transaction, and memory stays bounded when nobody reads.
 
 Medians are cached per rank and recomputed only for ranks that received steps
 since the last snapshot, so a refresh with 1024 ranks where a few moved costs
@@ -15,14 +21,19 @@ one, the numbers straggler diagnosis and the TUI header show.
 from __future__ import annotations
 
 import statistics
-from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst, worst_key
+from traceml_daemon.ring import Ring
 from traceml_wire.tables import PHASES
 
 DEFAULT_WINDOW = 200
+# A rank's pushed columns are folded once it holds this many rows (or a view is
+# read): few enough that unread pushes stay small in memory (4096 ranks x 64 rows),
+# many enough that the per-fold cost is spread over several batches.
+FOLD_ROWS = 64
 
 
 @dataclass
@@ -34,17 +45,44 @@ class RankWindow:
     steps_seen: int = 0
     last_step: int | None = None
     last_ts: float | None = None
-    step_ns: deque[int] = field(init=False)
-    busy_ns: deque[int] = field(init=False)  # step minus wait, per step
+    step_ns: Ring = field(init=False)
+    busy_ns: Ring = field(init=False)  # step minus wait, per step
     wait_measured: bool = False  # comm (DDP's all-reduce) seen: wait is time blocked on peers
-    phases_ns: dict[str, deque[int]] = field(init=False)
+    phases_ns: dict[str, Ring] = field(init=False)
     dirty: bool = field(init=False, default=True)
+    # Columns pushed but not folded into the windows yet (see the module docstring).
+    pending: list[dict[str, list[Any]]] = field(init=False, default_factory=list)
+    pending_rows: int = field(init=False, default=0)
     _cached: tuple[float | None, dict[str, float | None], float | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.step_ns = deque(maxlen=self.window)
-        self.busy_ns = deque(maxlen=self.window)
-        self.phases_ns = {p: deque(maxlen=self.window) for p in PHASES}
+        self.step_ns = Ring(self.window)
+        self.busy_ns = Ring(self.window)
+        self.phases_ns = {p: Ring(self.window) for p in PHASES}
+
+    def push(self, cols: dict[str, list[Any]]) -> None:
+        """Keep ``cols`` (read-only from now on) for the next fold."""
+        n = len(cols.get("step") or ())
+        if n == 0:
+            return
+        self.pending.append(cols)
+        self.pending_rows += n
+        if self.pending_rows >= min(self.window, FOLD_ROWS):
+            self.fold()
+
+    def fold(self) -> None:
+        """Bring the windows and counters up to date with every pushed column."""
+        if not self.pending:
+            return
+        chunks, self.pending, self.pending_rows = self.pending, [], 0
+        names = chunks[0].keys()
+        if len(chunks) > 1 and all(c.keys() == names for c in chunks):
+            # One pass over the concatenated columns costs far less than one per chunk.
+            # (The lists are shared with the history backlog: build new ones, never extend.)
+            self.add({name: list(chain.from_iterable(c[name] for c in chunks)) for name in names})
+            return
+        for chunk in chunks:
+            self.add(chunk)
 
     def add(self, cols: dict[str, list[Any]]) -> None:
         steps = cols.get("step") or []
@@ -53,7 +91,7 @@ class RankWindow:
             return
         self.steps_seen += n
         self.dirty = True
-        # Whole-column C-level passes (max, deque.extend) instead of a Python loop
+        # Whole-column C-level passes (max, Ring.extend) instead of a Python loop
         # per row: this runs for every committed step row, on the event loop.
         # Decoded columns hold ints (or None), so max() needs only the Nones gone.
         valid = [s for s in steps if s is not None] if None in steps else steps
@@ -82,6 +120,7 @@ class RankWindow:
 
     def medians(self) -> tuple[float | None, dict[str, float | None], float | None]:
         """(step, phases, busy) medians in ms; busy is the step's where wait is not measured."""
+        self.fold()
         if self.dirty or self._cached is None:
             step = _median_ms(self.step_ns)
             busy = _median_ms(self.busy_ns) if self.wait_measured else step
@@ -90,13 +129,12 @@ class RankWindow:
         return self._cached
 
 
-def _extend(window: deque[int], values: list[Any] | None) -> None:
+def _extend(window: Ring, values: list[Any] | None) -> None:
     if not values:
         return
     if None in values:
         values = [v for v in values if v is not None]
-    # Only the newest ``maxlen`` values can survive anyway.
-    window.extend(values[-window.maxlen :] if window.maxlen else values)
+    window.extend(values)
 
 
 @dataclass
@@ -112,8 +150,8 @@ class RankSnapshot:
     busy_ms_median: float | None = None  # step minus wait where wait is measured, else step
 
 
-def _median_ms(values: deque[int]) -> float | None:
-    return statistics.median(values) / 1e6 if values else None
+def _median_ms(values: Ring) -> float | None:
+    return statistics.median(values.values()) / 1e6 if values else None
 
 
 class Aggregates:
@@ -133,12 +171,13 @@ class Aggregates:
             rank.global_rank = global_rank
         if node_rank is not None:
             rank.node_rank = node_rank
-        rank.add(cols)
+        rank.push(cols)
 
     def snapshot(self) -> list[RankSnapshot]:
         """Medians of every rank's current window, ordered by global rank."""
         out = []
         for r in self._ranks.values():
+            r.fold()
             step_med, phase_med, busy_med = r.medians()
             out.append(
                 RankSnapshot(

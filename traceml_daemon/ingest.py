@@ -18,6 +18,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from itertools import chain, repeat
+from operator import itemgetter
 from typing import Any
 
 from traceml_wire.errors import ProtocolError
@@ -65,15 +66,22 @@ class RankState:
 class Plan:
     """Everything one transaction writes."""
 
-    # table -> parameters of all its rows, flat and row-major ((rank_id, *columns) per row):
-    # built with one C-level pass per table and batch, and sliced straight into
-    # multi-row INSERT statements without a tuple per row.
+    # table -> its decoded batches, (rank_id, columns), in arrival order; ``Ingestor.staged``
+    # turns each table into ``flat``: the parameters of all its rows, row-major
+    # ((rank_id, *columns) per row), built by one C-level pass per table and
+    # transaction (not per batch) and sliced straight into multi-row INSERT statements.
+    chunks: dict[str, list[tuple[int, list[list[Any]]]]] = field(default_factory=dict)
     flat: dict[str, list[Any]] = field(default_factory=dict)
     row_counts: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # sender -> RANK_COLUMNS row
+    # Senders whose identity row is committed already: (rank_id, last_seen, last_seq).
+    rank_touches: list[tuple[int, float, int]] = field(default_factory=list)
+    # Senders given a full row here, with the identity it holds (committed on commit).
+    full_rows: dict[str, _RankTemplate] = field(default_factory=dict)
     relay_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # relay sender -> counters
     agent_drops: dict[str, dict[str, int]] = field(default_factory=dict)  # agent sender -> source -> count
-    steps_by_rank: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # for history and aggregates
+    # rank_id -> its step batches (column name -> values), for history and aggregates.
+    steps_by_rank: dict[int, list[dict[str, list[Any]]]] = field(default_factory=dict)
     rows_stored: int = 0
     duplicates_discarded: int = 0
     bad_bodies: int = 0
@@ -84,7 +92,9 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not (self.flat or self.ranks or self.rank_sources or self.relay_stats or self.agent_drops)
+        return not (
+            self.flat or self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
+        )
 
     def rows(self, table: str) -> list[tuple[Any, ...]]:
         """The rows of ``table`` as tuples (tests and tools; the writer uses ``flat``)."""
@@ -136,6 +146,9 @@ class Ingestor:
         self.pending: dict[str, RankState] = {}  # staged, not yet committed
         self.next_rank_id = next_rank_id
         self._templates: dict[str, _RankTemplate] = {}
+        # The identity each sender's committed ranks row holds: a sender whose template
+        # is that same object needs only its dedup mark updated.
+        self._committed: dict[str, _RankTemplate] = {}
 
     def last_seq(self, sender: str) -> int:
         state = self.known.get(sender)
@@ -226,23 +239,20 @@ class Ingestor:
     def _add_tables(plan: Plan, rank_id: int, sender: str, tables: dict[str, list[list[Any]]]) -> None:
         for name, cols in tables.items():
             n = len(cols[0])  # decode_columns drops empty tables
-            flat = plan.flat.get(name)
-            if flat is None:
-                flat = plan.flat[name] = []
-                plan.row_counts[name] = 0
-            # zip reuses its result tuple when chain drops it at once: no tuple per row
-            # survives. Not strict: repeat() is endless, and decode checked the lengths.
-            flat.extend(chain.from_iterable(zip(repeat(rank_id), *cols, strict=False)))
-            plan.row_counts[name] += n
+            have = plan.chunks.get(name)
+            if have is None:
+                plan.chunks[name] = [(rank_id, cols)]
+            else:
+                have.append((rank_id, cols))
             plan.rows_stored += n
             if name == "steps":
-                acc = plan.steps_by_rank.get(rank_id)
-                if acc is None:
-                    # The decoded lists are ours alone: keep them, extend them with later batches.
-                    plan.steps_by_rank[rank_id] = dict(zip(_STEP_COLUMNS, cols, strict=True))
+                # The decoded lists are ours alone, and only ever read from now on.
+                batches = plan.steps_by_rank.get(rank_id)
+                step_cols = dict(zip(_STEP_COLUMNS, cols, strict=True))
+                if batches is None:
+                    plan.steps_by_rank[rank_id] = [step_cols]
                 else:
-                    for have, more in zip(acc.values(), cols, strict=True):
-                        have.extend(more)
+                    batches.append(step_cols)
             elif name == "drops":
                 # Cumulative counters: the latest value per source wins.
                 drops = plan.agent_drops.setdefault(sender, {})
@@ -253,18 +263,28 @@ class Ingestor:
     def staged(self, plan: Plan) -> None:
         """``plan`` is on its way to the database: later plans dedup against it.
 
-        Also builds its ranks rows: one per sender, from its latest batch."""
+        Also builds its ranks rows: one per sender, from its latest batch; narrow
+        when the sender's committed row already holds this identity."""
+        committed = self._committed
         for sender, (session, identity, node, now) in plan.rank_sources.items():
             state = plan.high_water[sender]
             t = self._template(sender, session, identity, node)
             state.global_rank, state.node_rank = t.global_rank, t.node_rank
             state.session, state.attempt = t.run_session, t.attempt
-            plan.ranks[sender] = (state.rank_id, *t.middle, now, now, state.last_seq)
+            if committed.get(sender) is t:
+                plan.rank_touches.append((state.rank_id, now, state.last_seq))
+            else:
+                plan.ranks[sender] = (state.rank_id, *t.middle, now, now, state.last_seq)
+                plan.full_rows[sender] = t
         plan.rank_sources.clear()
+        for name, chunks in plan.chunks.items():
+            plan.flat[name], plan.row_counts[name] = _flatten(chunks)
+        plan.chunks.clear()
         self.pending.update(plan.high_water)
 
     def commit(self, plan: Plan) -> None:
         self.known.update(plan.high_water)
+        self._committed.update(plan.full_rows)
         for sender, state in plan.high_water.items():
             if self.pending.get(sender) is state:
                 del self.pending[sender]
@@ -274,6 +294,18 @@ class Ingestor:
         # Every staged plan after it deduplicated against it, so all pending marks go.
         plan.high_water.clear()
         self.pending.clear()
+
+def _flatten(chunks: list[tuple[int, list[list[Any]]]]) -> tuple[list[Any], int]:
+    """(rank_id, *columns) per row, flat, over every batch of one table: one zip over
+    chained columns, so the per-batch cost is a list append, not a zip of its own."""
+    counts = [len(cols[0]) for _, cols in chunks]
+    rank_ids = chain.from_iterable(map(repeat, [rid for rid, _ in chunks], counts))
+    col_lists = [cols for _, cols in chunks]
+    columns = [chain.from_iterable(map(itemgetter(i), col_lists)) for i in range(len(col_lists[0]))]
+    # zip reuses its result tuple when chain drops it at once: no tuple per row survives.
+    # Not strict: decode checked that every column of a batch has the same length.
+    return list(chain.from_iterable(zip(rank_ids, *columns, strict=False))), sum(counts)
+
 
 def insert_sql(table: str) -> str:
     cols = ("rank_id", *columns(table))

@@ -17,6 +17,7 @@ import ssl
 import sys
 from dataclasses import dataclass
 
+from traceml_daemon.acks import AckWriter
 from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import Counters
 from traceml_daemon.inbound import ByteQueue, QueueClosed
@@ -174,6 +175,7 @@ class DaemonServer:
 
     async def _converse(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = PeerSession(self.config.token, self.config.max_frame_bytes)
+        acks = AckWriter(writer)
         writer.write(session.challenge())
         hello: Hello | None = None
         try:
@@ -190,7 +192,7 @@ class DaemonServer:
                             hello = event
                             deadline.reschedule(None)
                             await self._on_hello(peer, session, hello, writer)
-                        elif not await self._on_event(peer, session, hello, event, writer):
+                        elif not await self._on_event(peer, session, hello, event, writer, acks):
                             return
         except TimeoutError:
             if hello is not None:
@@ -216,12 +218,18 @@ class DaemonServer:
         await writer.drain()
 
     async def _on_event(
-        self, peer: str, session: PeerSession, hello: Hello | None, event: Event, writer: asyncio.StreamWriter
+        self,
+        peer: str,
+        session: PeerSession,
+        hello: Hello | None,
+        event: Event,
+        writer: asyncio.StreamWriter,
+        acks: AckWriter,
     ) -> bool:
         """Act on one event; False once the connection must close."""
         if isinstance(event, Batch):
             assert hello is not None  # the session only yields batches after a hello
-            return await self._enqueue(hello, event, writer)
+            return await self._enqueue(hello, event, acks)
         if isinstance(event, Refused):
             self.counters.refused_peers += 1
             log.warning("refused %s: %s", peer, event.reason)
@@ -240,15 +248,12 @@ class DaemonServer:
             log.info("bye %s (%s)", peer, hello.sender if hello else "?")
         return False
 
-    async def _enqueue(self, hello: Hello, batch: Batch, writer: asyncio.StreamWriter) -> bool:
+    async def _enqueue(self, hello: Hello, batch: Batch, acks: AckWriter) -> bool:
         def done(ok: bool, seq: int = batch.seq) -> None:
-            if writer.is_closing():
-                return
             if ok:
-                writer.write(PeerSession.ack(seq))
+                acks.ack(seq)
             else:
-                # Not stored: close so the peer reconnects and resends from its buffer.
-                writer.close()
+                acks.fail()
 
         item = WorkItem(
             relay_sender=hello.sender,

@@ -17,27 +17,35 @@ Two things keep a 2-core machine fed:
   ``INSERT ... VALUES (...), (...)`` statements of ``ROWS_PER_STATEMENT``
   rows (one step each), and the switch interval is lowered to 1 ms.
 
-History (``store/history.py``) is folded in memory once rows commit and
-written at most every ``history_interval`` seconds (and at close), at the head
-of a row transaction: per-rank history, node history and reservoir rows cost
-as much as the step rows themselves when written per transaction. Raw rows
-stay the acknowledged, durable data; history may lag by one interval. Each
-history write also stores ``meta.history_steps_rowid``, the highest steps
-rowid it covers, in the same transaction, so ``open()`` catches up on the rows
-a crash left unfolded. Retention (``store/retention.py``) runs between
-transactions in small chunks of its own.
+After COMMIT the writer acks first, then only queues the committed steps:
+their columns go to the history backlog (``store/backlog.py``) and to the
+live aggregates, both O(1) per rank. History (``store/history.py``) is folded
+from the backlog and written at most every ``history_interval`` seconds (or
+once the backlog holds ``history_backlog_rows`` rows, and at close), at the
+head of a row transaction; the fold runs on the database thread just before
+that transaction, so a second's worth of folding never stalls the event loop
+in one piece. Raw rows stay the acknowledged, durable data; history may lag by
+one interval. Each history write also stores ``meta.history_steps_rowid``, the
+highest steps rowid it covers, in the same transaction, so ``open()`` catches
+up on the rows a crash left unfolded. Retention (``store/retention.py``) runs
+between transactions in small chunks of its own.
+
+Senders whose identity is already committed get a narrow ranks update (rank
+id, last seen, last seq: all the dedup mark needs) instead of the full
+18-column upsert.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import chain
 from typing import Any
@@ -49,7 +57,9 @@ from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX, C
 from traceml_daemon.inbound import ByteQueue
 from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState
 from traceml_daemon.store import history
+from traceml_daemon.store.backlog import StepBacklog
 from traceml_daemon.store.migrate import migrate
+from traceml_daemon.store.policy import DEFAULT_POLICY, IngestPolicy
 from traceml_daemon.store.retention import RetentionPolicy, enforce
 from traceml_daemon.store.schema import PRAGMAS
 from traceml_wire.tables import columns
@@ -88,7 +98,6 @@ class WorkItem:
 # sqlite >= 3.32 allows 32766 bound parameters per statement.
 MAX_PARAMS = 32_000
 ROWS_PER_STATEMENT = 1024
-GIL_SWITCH_INTERVAL = 0.001
 
 Statement = tuple[str, Sequence[Any]]  # one multi-row statement and its flat parameters
 
@@ -130,6 +139,14 @@ def _table_parts(table: str) -> history.SqlParts:
 
 _TABLE_PARTS = {name: _table_parts(name) for name in TABLE_COLUMNS}
 _RANK_PARTS: history.SqlParts = (f"INSERT INTO ranks ({', '.join(RANK_COLUMNS)})", _RANK_CONFLICT, len(RANK_COLUMNS))
+# Senders whose full ranks row is already committed: only the dedup mark and
+# last_seen change, and a 3-column UPDATE ... FROM (VALUES ...) costs a fraction
+# of the 18-column upsert with its coalesce per identity column.
+_RANK_TOUCH_PARTS: history.SqlParts = (
+    "UPDATE ranks SET last_seen=v.column2, last_seq=max(ranks.last_seq, v.column3) FROM (",
+    ") AS v WHERE ranks.rank_id=v.column1",
+    3,
+)
 _MONOTONIC_PARTS: history.SqlParts = (
     "INSERT INTO delivery(source, counter, value)",
     "ON CONFLICT(source, counter) DO UPDATE SET value=max(value, excluded.value)",
@@ -142,10 +159,16 @@ _EXACT_PARTS: history.SqlParts = (
 )
 
 
-def _run_transaction(conn: sqlite3.Connection, statements: list[Statement]) -> None:
+def _run_transaction(
+    conn: sqlite3.Connection, statements: list[Statement], head: Callable[[], list[Statement]] | None = None
+) -> None:
     """The whole transaction in one call on the database thread: every aiosqlite
     call is a round trip through the event loop and a GIL hand-off, and while the
-    loop is busy decoding, each hand-off can wait a whole switch interval."""
+    loop is busy decoding, each hand-off can wait a whole switch interval.
+
+    ``head`` (history) runs here too, on this thread, and its statements go first."""
+    if head is not None:
+        statements = head() + statements
     conn.execute("BEGIN IMMEDIATE")
     try:
         for sql, params in statements:
@@ -218,27 +241,36 @@ class StoreWriter:
         counters: Counters | None = None,
         aggregates: Aggregates | None = None,
         *,
-        max_txn_bytes: int = 32 * 1024 * 1024,
-        flush_interval: float = 0.25,
+        policy: IngestPolicy = DEFAULT_POLICY,
         retention: RetentionPolicy | None = None,
         tune_gil: bool = True,
-        # Off by default: relays wait for acks, so a coalescing wait is pure latency
-        # (it cut R=64 throughput 3x), and with history written once a second the
-        # per-transaction cost it saved is small (measured: R=4096 paced CPU lower without).
-        coalesce_s: float = 0.0,
-        history_interval: float = 1.0,
+        # Single-threshold overrides of ``policy`` (tests).
+        max_txn_bytes: int | None = None,
+        flush_interval: float | None = None,
+        coalesce_s: float | None = None,
+        history_interval: float | None = None,
     ) -> None:
+        overrides = {
+            "max_txn_bytes": max_txn_bytes,
+            "flush_interval": flush_interval,
+            "coalesce_s": coalesce_s,
+            "history_interval": history_interval,
+        }
+        self.policy = replace(policy, **{k: v for k, v in overrides.items() if v is not None})
         self.path = path
         self.counters = counters or Counters()
         self.aggregates = aggregates
-        self.max_txn_bytes = max_txn_bytes
-        self.flush_interval = flush_interval
+        self.max_txn_bytes = self.policy.max_txn_bytes
+        self.flush_interval = self.policy.flush_interval
         self.retention = retention
         self.tune_gil = tune_gil
-        self.coalesce_s = coalesce_s
+        self.coalesce_s = self.policy.coalesce_s
         self.ingestor = Ingestor()
         self.reservoir = history.Reservoir()
-        self.history_interval = history_interval
+        self.history_interval = self.policy.history_interval
+        # Committed steps not folded yet, and history folded but not written yet
+        # (a failed write keeps it for the next one).
+        self.backlog = StepBacklog()
         self.pending_history = PendingHistory()
         self._history_due = 0.0
         self._db: aiosqlite.Connection | None = None
@@ -252,7 +284,12 @@ class StoreWriter:
         if self.tune_gil:
             # Process-wide, and deliberate: the daemon's writer thread must get the GIL
             # back quickly after each sqlite3_step (see the module docstring).
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL))
+            sys.setswitchinterval(min(sys.getswitchinterval(), self.policy.gil_switch_interval))
+            # Also process-wide: fewer GC passes (see IngestPolicy.gc_young_threshold),
+            # and what exists at start (modules, classes) is never walked again.
+            young, *older = gc.get_threshold()
+            gc.set_threshold(max(young, self.policy.gc_young_threshold), *older)
+            gc.freeze()
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         for pragma in PRAGMAS:
             await self._db.execute(pragma)
@@ -322,36 +359,48 @@ class StoreWriter:
             self.reservoir.offer(rank_id, cols, pending.reservoir)
         pending.absorb(later)
 
-    def _take_history(self, force: bool) -> PendingHistory | None:
-        """The pending history if it is due (or ``force``), swapped for an empty one."""
-        if self.pending_history.empty or (not force and time.monotonic() < self._history_due):
-            return None
-        taken, self.pending_history = self.pending_history, PendingHistory()
-        return taken
+    def _history_due_now(self, force: bool) -> bool:
+        if self.backlog.rows == 0 and self.pending_history.empty:
+            return False
+        return force or self.backlog.rows >= self.policy.history_backlog_rows or time.monotonic() >= self._history_due
 
-    def _history_written(self, taken: PendingHistory | None, ok: bool) -> None:
-        if taken is None:
+    def _history_head(self, backlog: StepBacklog) -> list[Statement]:
+        """Fold ``backlog`` into the pending history and return what writes it all.
+
+        Runs on the database thread, inside the transaction's call: the event loop
+        does not touch the reservoir or the pending history while a write is out."""
+        if backlog.rows:
+            self._fold_history(backlog.by_rank(), backlog.states)
+        return self.pending_history.statements()
+
+    def _take_history(self, force: bool) -> Callable[[], list[Statement]] | None:
+        """The history head for the next transaction if history is due (or ``force``)."""
+        if not self._history_due_now(force):
+            return None
+        backlog = self.backlog.take()
+        return lambda: self._history_head(backlog)
+
+    def _history_written(self, head: Callable[[], list[Statement]] | None, ok: bool) -> None:
+        if head is None:
             return
         if ok:
             self._history_due = time.monotonic() + self.history_interval
-        else:
-            # Not written: it stays pending, ahead of anything folded since.
-            taken.absorb(self.pending_history)
-            self.pending_history = taken
+            self.pending_history = PendingHistory()
+        # Not written: what was folded stays pending, ahead of anything folded later.
 
     async def _flush_history_now(self) -> None:
         assert self._db is not None
-        taken = self._take_history(force=True)
-        if taken is None:
+        head = self._take_history(force=True)
+        if head is None:
             return
         try:
-            await self._db._execute(_run_transaction, self._db._conn, taken.statements())
+            await self._db._execute(_run_transaction, self._db._conn, [], head)
         except (sqlite3.Error, OSError) as exc:
             # Raw rows are safe; the next open catches history up from them.
             log.error("history write failed: %s", exc)
-            self._history_written(taken, False)
+            self._history_written(head, False)
             return
-        self._history_written(taken, True)
+        self._history_written(head, True)
 
     async def close(self) -> None:
         if self._db is not None:
@@ -440,6 +489,8 @@ class StoreWriter:
         statements: list[Statement] = []
         if plan.ranks:
             statements += multi_row_tuples(_RANK_PARTS, plan.ranks.values())
+        if plan.rank_touches:
+            statements += multi_row_tuples(_RANK_TOUCH_PARTS, plan.rank_touches)
         for table, flat in plan.flat.items():
             statements += multi_row(_TABLE_PARTS[table], flat, plan.row_counts[table])
         return Staged(work, taken_bytes, plan, statements)
@@ -457,8 +508,8 @@ class StoreWriter:
         counters["rows_stored"] += plan.rows_stored
         counters["duplicates_discarded"] += plan.duplicates_discarded
         counters["bad_bodies"] += plan.bad_bodies
-        taken = self._take_history(force=False)
-        if plan.empty and counters == self._stored_counters and taken is None:
+        head = self._take_history(force=False)
+        if plan.empty and counters == self._stored_counters and head is None:
             self.ingestor.commit(plan)
             return True
         db = self._db
@@ -468,38 +519,38 @@ class StoreWriter:
         monotonic += [
             (AGENT_PREFIX + agent, name, value) for agent, drops in plan.agent_drops.items() for name, value in drops.items()
         ]
-        # History first: its mark must be read before this transaction's own rows go in.
-        statements = taken.statements() if taken is not None else []
-        statements += staged.statements
+        statements = list(staged.statements)
         if monotonic:
             statements += multi_row_tuples(_MONOTONIC_PARTS, monotonic)
         statements += multi_row_tuples(_EXACT_PARTS, [(DAEMON_SOURCE, k, v) for k, v in counters.items()])
         try:
             # aiosqlite has no public "run this function on your thread"; its private
             # _execute is that, and one call per transaction is the point (see _run_transaction).
-            await db._execute(_run_transaction, db._conn, statements)
+            # History goes first: its mark must be read before this transaction's own rows go in.
+            await db._execute(_run_transaction, db._conn, statements, head)
         except (sqlite3.Error, OSError) as exc:
             log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
             self.ingestor.rollback(plan)
-            self._history_written(taken, False)
+            self._history_written(head, False)
             return False
-        self._history_written(taken, True)
+        self._history_written(head, True)
         self.ingestor.commit(plan)
         self.counters.rows_stored = counters["rows_stored"]
         self.counters.duplicates_discarded = counters["duplicates_discarded"]
         self.counters.bad_bodies = counters["bad_bodies"]
         self._stored_counters = counters
-        # Every rank with steps in this plan has its state in the plan's high-water marks.
-        by_id = {s.rank_id: s for s in plan.high_water.values()}
         if plan.steps_by_rank:
-            self._fold_history(plan.steps_by_rank, by_id)
-        if self.aggregates is not None:
-            for rank_id, cols in plan.steps_by_rank.items():
-                state = by_id.get(rank_id)
-                self.aggregates.add_steps(
-                    rank_id,
-                    cols,
-                    global_rank=state.global_rank if state else None,
-                    node_rank=state.node_rank if state else None,
-                )
+            # Every rank with steps in this plan has its state in the plan's high-water marks.
+            by_id = {s.rank_id: s for s in plan.high_water.values()}
+            self.backlog.add(plan.steps_by_rank, by_id)
+            if self.aggregates is not None:
+                for rank_id, batches in plan.steps_by_rank.items():
+                    state = by_id.get(rank_id)
+                    for cols in batches:
+                        self.aggregates.add_steps(
+                            rank_id,
+                            cols,
+                            global_rank=state.global_rank if state else None,
+                            node_rank=state.node_rank if state else None,
+                        )
         return True

@@ -1,0 +1,136 @@
+"""The cheap ingest path: coalesced acks, narrow ranks updates, the history
+backlog and lazily folded aggregates keep the stored results unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from tests.traceml_daemon.history_support import RELAY, batch, raw_buckets, ro, stored_buckets
+from tests.traceml_daemon.wire_client import agent_sender
+from traceml_daemon.acks import AckWriter
+from traceml_daemon.aggregates import FOLD_ROWS, Aggregates
+from traceml_daemon.ring import Ring
+from traceml_daemon.store.policy import IngestPolicy
+from traceml_daemon.store.schema import HISTORY_LEVELS
+from traceml_daemon.store.writer import StoreWriter, WorkItem
+from traceml_wire import FrameDecoder, unpack_message
+from traceml_wire.tables import encode_body
+
+
+class _FakeWriter:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_acks_of_one_pass_leave_in_one_write_in_order() -> None:
+    async def scenario() -> _FakeWriter:
+        fake = _FakeWriter()
+        acks = AckWriter(fake)  # type: ignore[arg-type]
+        for seq in (1, 2, 3):
+            acks.ack(seq)
+        assert fake.writes == []  # nothing before the end of this pass of the loop
+        await asyncio.sleep(0)
+        return fake
+
+    fake = asyncio.run(scenario())
+    assert len(fake.writes) == 1
+    messages = [unpack_message(b) for b in FrameDecoder().feed(fake.writes[0])]
+    assert [(m["t"], m["seq"]) for m in messages] == [("ack", 1), ("ack", 2), ("ack", 3)]
+
+
+def test_failure_flushes_earlier_acks_then_closes() -> None:
+    async def scenario() -> _FakeWriter:
+        fake = _FakeWriter()
+        acks = AckWriter(fake)  # type: ignore[arg-type]
+        acks.ack(1)
+        acks.fail()
+        await asyncio.sleep(0)
+        return fake
+
+    fake = asyncio.run(scenario())
+    assert fake.closed and len(fake.writes) == 1
+    assert [unpack_message(b)["seq"] for b in FrameDecoder().feed(fake.writes[0])] == [1]
+
+
+def _one(seq: int, hostname: str, first: int) -> WorkItem:
+    sender = agent_sender("s1", 0, node=0)
+    body = encode_body({"steps": {"step": list(range(first, first + 3)), "ts": [1.0, 2.0, 3.0],
+                                  "step_ns": [5, 6, 7]}})
+    peers = {sender: {"global_rank": 0, "node_rank": 0, "hostname": hostname, "world_size": 4}}
+    return WorkItem(RELAY, "s1", seq, [[sender, seq, body]], peers, {}, {})
+
+
+def test_ranks_row_keeps_identity_under_narrow_updates_and_takes_a_new_one(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+
+    async def run() -> None:
+        writer = StoreWriter(str(db))
+        await writer.open()
+        assert await writer.write([_one(1, "h0", 0)])
+        assert await writer.write([_one(2, "h0", 3)])  # identity committed: narrow update
+        assert await writer.write([_one(3, "h0", 6)])
+        conn = ro(db)
+        row = conn.execute("SELECT global_rank, world_size, hostname, last_seq, first_seen <= last_seen FROM ranks")
+        assert row.fetchall() == [(0, 4, "h0", 3, 1)]
+        conn.close()
+        assert await writer.write([_one(4, "h1", 9)])  # a changed identity is written in full
+        await writer.close()
+
+    asyncio.run(run())
+    conn = ro(db)
+    assert conn.execute("SELECT hostname, last_seq FROM ranks").fetchall() == [("h1", 4)]
+    assert conn.execute("SELECT count(*) FROM steps").fetchone()[0] == 12
+
+
+def test_history_is_written_once_the_backlog_passes_its_bound(tmp_path: Path) -> None:
+    db = tmp_path / "b.db"
+    policy = IngestPolicy(history_interval=3600.0, history_backlog_rows=500)
+
+    async def run() -> None:
+        writer = StoreWriter(str(db), policy=policy)
+        await writer.open()
+        seq = 0
+        for first in range(0, 1200, 100):  # 12 transactions of 3 ranks x 100 steps
+            seq += 1
+            assert await writer.write([batch(seq, [0, 1, 2], first, 100)])
+            assert writer.backlog.rows < policy.history_backlog_rows + 300
+        # Not closed: what the bound flushed is there without the final write.
+        conn = ro(db)
+        written = conn.execute("SELECT sum(n) FROM rank_history WHERE level=?", (HISTORY_LEVELS[0],)).fetchone()[0]
+        assert written is not None and written >= 3 * 1200 - policy.history_backlog_rows - 300
+        conn.close()
+        await writer.close()
+
+    asyncio.run(run())
+    conn = ro(db)
+    for level in HISTORY_LEVELS:
+        assert stored_buckets(conn, level) == raw_buckets(conn, level), level
+
+
+def test_aggregates_fold_unread_pushes_and_reads_see_every_step() -> None:
+    agg = Aggregates(window=200)
+    for i in range(100):  # 100 pushes of 3 steps, never read
+        cols = {"step": [3 * i, 3 * i + 1, 3 * i + 2], "ts": [1.0, 2.0, float(i)], "step_ns": [10_000_000] * 3}
+        agg.add_steps(1, cols, global_rank=0, node_rank=0)
+        assert agg._ranks[1].pending_rows < FOLD_ROWS  # bounded without a reader
+    snap = agg.snapshot()[0]
+    assert (snap.steps_seen, snap.last_step, snap.last_ts, snap.step_ms_median) == (300, 299, 99.0, 10.0)
+
+
+def test_ring_keeps_the_newest_values() -> None:
+    ring = Ring(4)
+    assert not ring and len(ring) == 0
+    for chunk in ([1, 2], [3], [4, 5, 6], list(range(7, 20))):
+        ring.extend(chunk)
+    assert list(ring) == [16.0, 17.0, 18.0, 19.0] and len(ring) == 4

@@ -1,0 +1,39 @@
+"""Every threshold of the ingest path, in one place.
+
+The writer, its history backlog and the aggregates read their limits from an
+``IngestPolicy``; tests and benchmarks build one with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IngestPolicy:
+    # One transaction takes at most this many queued bytes (the queue's own bound,
+    # ServerConfig.queue_bytes, is what pushes back on relays).
+    max_txn_bytes: int = 32 * 1024 * 1024
+    # How long the writer waits for work before writing counters alone.
+    flush_interval: float = 0.25
+    # Off by default: relays wait for acks, so a coalescing wait is pure latency
+    # (it cut R=64 throughput 3x); with history written once a second the
+    # per-transaction cost it saved is small.
+    coalesce_s: float = 0.0
+    # History (buckets, node buckets, reservoir) is folded and written at most this
+    # often: raw rows are the acknowledged data, history may lag by this much.
+    history_interval: float = 1.0
+    # ... or sooner once this many committed step rows wait to be folded, which
+    # bounds the backlog's memory (9 columns per row) at any ingest rate.
+    history_backlog_rows: int = 65_536
+    # The writer thread must get the GIL back quickly after each sqlite3_step.
+    gil_switch_interval: float = 0.001
+    # Young-generation GC threshold (CPython's default is 700 allocations). Ingest
+    # allocates and frees (by refcount) a list per decoded column; at the default
+    # the collector ran ~300 times a second at 4096 ranks (measured: GC was ~15% of
+    # a core, with a full collection at ~90 ms). Raised, young collections are
+    # rarer and full ones, whose cost grows with the heap, rarer still.
+    gc_young_threshold: int = 20_000
+
+
+DEFAULT_POLICY = IngestPolicy()
