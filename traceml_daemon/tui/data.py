@@ -27,6 +27,7 @@ import math
 import os
 import sqlite3
 import time
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,6 +49,7 @@ _STEP_COLS = (
         "rss_bytes",
     )
 )
+_MEDIAN_COLS = tuple(range(2, 3 + len(PHASES)))  # step_ns, then PHASES in order
 
 
 class DatabaseMissing(FileNotFoundError):
@@ -337,6 +339,51 @@ class _RankState:
     last_step: int | None = None
     status: RankStatus | None = None
     row: RankRow | None = None  # cache, reset when the window or the status changes
+    # The window's measured step and phase values, each column kept sorted as rows come
+    # and go: a refresh at 1024 ranks then costs a few inserts per rank, not 7 sorts.
+    ordered: list[list[Any]] = field(default_factory=lambda: [[] for _ in _MEDIAN_COLS])
+
+    def put(self, data: tuple[Any, ...]) -> None:
+        """Add (or replace) the window row of step ``data[0]``."""
+        old = self.window.get(data[0])
+        if old is not None:
+            _drop_values(self.ordered, old)
+        self.window[data[0]] = data
+        for xs, i in zip(self.ordered, _MEDIAN_COLS, strict=True):
+            v = data[i]
+            if v is not None:
+                insort(xs, v)
+        self.row = None
+
+    def trim(self, keep: int) -> None:
+        """Forget the oldest rows beyond ``keep``."""
+        extra = len(self.window) - keep
+        if extra <= 0:
+            return
+        for step in sorted(self.window)[:extra] if extra > 1 else (min(self.window),):
+            _drop_values(self.ordered, self.window.pop(step))
+        self.row = None
+
+    def medians(self) -> tuple[float | None, dict[str, float | None]]:
+        """Step and phase medians (ms) of the window (None: nothing measured)."""
+        out: list[float | None] = []
+        for xs in self.ordered:
+            n = len(xs)
+            if not n:
+                out.append(None)
+                continue
+            mid = n // 2
+            out.append((xs[mid] if n % 2 else (xs[mid - 1] + xs[mid]) / 2.0) / 1e6)
+        return out[0], dict(zip(PHASES, out[1:], strict=True))
+
+
+def _drop_values(ordered: list[list[Any]], data: tuple[Any, ...]) -> None:
+    for xs, i in zip(ordered, _MEDIAN_COLS, strict=True):
+        v = data[i]
+        if v is not None:
+            j = bisect_left(xs, v)
+            if j < len(xs) and xs[j] == v:
+                del xs[j]
 
 
 # ---------------------------------------------------------------- set-based reads
@@ -390,30 +437,6 @@ def read_status(con: sqlite3.Connection, run: tuple[str, int], after: int = 0) -
         "(SELECT x.rowid FROM status x WHERE x.rank_id=r.rank_id ORDER BY x.ts DESC LIMIT 1)",
         (*run, after),
     )
-
-
-def _medians(rows: Iterable[tuple[Any, ...]]) -> tuple[float | None, dict[str, float | None]]:
-    """Step and phase medians (ms) of window rows.
-
-    The hot loop at 4096 ranks: columns are transposed once, and a column is
-    sorted as is; only when it holds a None (sorting raises) is it filtered.
-    """
-    cols = list(zip(*rows, strict=True))
-    if not cols:
-        return None, {p: None for p in PHASES}
-    out: list[float | None] = []
-    for col in cols[2:9]:  # step_ns, then PHASES in order
-        try:
-            xs: Sequence[Any] = sorted(col)
-        except TypeError:  # None among numbers
-            xs = sorted([v for v in col if v is not None])
-        n = len(xs)
-        if not n or xs[0] is None:  # nothing measured (a lone None sorts without raising)
-            out.append(None)
-            continue
-        mid = n // 2
-        out.append((xs[mid] if n % 2 else (xs[mid - 1] + xs[mid]) / 2.0) / 1e6)
-    return out[0], dict(zip(PHASES, out[1:], strict=True))
 
 
 def has_history(con: sqlite3.Connection) -> bool:
@@ -603,9 +626,28 @@ class TuiData:
         self._history: bool | None = None  # unknown until the first read
         self._span: history.RunSpan | None = None
         self._hist_series: Series | None = None
+        # ``changed()`` runs on the UI thread while a worker may be reading on ``con``:
+        # it gets a connection of its own (data_version is per connection anyway).
+        self._watch = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        self._version: int | None = None
 
     def close(self) -> None:
         self.con.close()
+        self._watch.close()
+
+    def changed(self) -> bool:
+        """Whether anything was committed since the previous call (the first call: True).
+
+        ``PRAGMA data_version`` compares a counter in the WAL index: a few
+        microseconds and no table read, so the app can ask many times a second.
+        """
+        try:
+            version = self._watch.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error:
+            return True  # let a read meet the problem and show it
+        changed = version != self._version
+        self._version = version
+        return changed
 
     # ---- identity and incremental windows
 
@@ -655,7 +697,7 @@ class TuiData:
         for row in read_windows(self.con, session, self.window, after):
             st = self._ranks.get(row[0])
             if st is not None:
-                st.window[row[1]] = row[1:]
+                st.put(row[1:])
         for row in read_status(self.con, session, after):
             st = self._ranks.get(row[0])
             if st is not None:
@@ -666,7 +708,7 @@ class TuiData:
 
     def _tail(self) -> None:
         cols = ", ".join(_STEP_COLS)
-        touched: set[int] = set()
+        touched: dict[int, _RankState] = {}
         last = self._steps_rowid
         ranks = self._ranks
         for row in self.con.execute(f"SELECT rowid, rank_id, {cols} FROM steps WHERE rowid>?", (self._steps_rowid,)):
@@ -676,17 +718,13 @@ class TuiData:
                 continue
             data = row[2:]
             step = data[0]
-            st.window[step] = data
-            st.last_step = step if st.last_step is None else max(st.last_step, step)
-            st.first_step = step if st.first_step is None else min(st.first_step, step)
-            touched.add(row[1])
+            st.put(data)
+            st.last_step = step if st.last_step is None or step > st.last_step else st.last_step
+            st.first_step = step if st.first_step is None or step < st.first_step else st.first_step
+            touched[row[1]] = st
         self._steps_rowid = last
-        for rid in touched:
-            st = ranks[rid]
-            st.row = None
-            if len(st.window) > self.window:
-                for step in sorted(st.window)[: len(st.window) - self.window]:
-                    del st.window[step]
+        for st in touched.values():
+            st.trim(self.window)
         last = self._status_rowid
         for row in self.con.execute(
             "SELECT rowid, rank_id, ts, phase, phase_since, step, steps_done, finished FROM status WHERE rowid>?",
@@ -713,7 +751,7 @@ class TuiData:
     def _rank_row(self, st: _RankState) -> RankRow:
         if st.row is not None:
             return st.row
-        step_ms, phases = _medians(st.window.values())
+        step_ms, phases = st.medians()
         latest = st.window.get(st.last_step) if st.last_step is not None else None
         steps = 0 if st.last_step is None or st.first_step is None else st.last_step - st.first_step + 1
         st.row = RankRow(

@@ -19,7 +19,7 @@ from traceml_daemon.tui.screens import (
     RankScreen,
     VerdictsScreen,
 )
-from traceml_daemon.tui.synth import SynthSpec, build
+from traceml_daemon.tui.synth import SynthSpec, build, step_row
 from traceml_daemon.tui.widgets import RankGrid
 
 
@@ -208,3 +208,34 @@ async def test_ranks_table_pages_long_runs(tmp_path: Path) -> None:
         await pilot.press("enter")
         await settle(pilot)
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == ranks.page_rows
+
+
+@asynctest
+async def test_poll_reads_only_after_a_commit(tui_db: str) -> None:
+    # Timers far in the future: the test calls the poll itself, so nothing depends on timing.
+    from tests.traceml_daemon.tui.conftest import FROZEN_NOW
+    from traceml_daemon.tui.app import TraceApp
+
+    app = TraceApp(tui_db, clock=lambda: FROZEN_NOW, refresh_s=3600, poll_s=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        app._last_cost_s = 0.0  # no spacing left to wait out
+        app._poll()  # the reader's first look counts as a change
+        await settle(pilot)
+        count = app.refresh_count
+        app._last_cost_s = 0.0  # no spacing left to wait out
+        app._poll()
+        await settle(pilot)
+        assert app.refresh_count == count  # nothing committed: no read
+        rw = sqlite3.connect(tui_db)
+        rw.executemany(
+            "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")",
+            [step_row(g + 1, g, 200, None) for g in range(4)],
+        )
+        rw.commit()
+        rw.close()
+        app._last_cost_s = 0.0
+        app._poll()
+        await settle(pilot, count + 1)
+        assert app.refresh_count == count + 1
+        assert "step 200" in _text(app.screen, "#header")

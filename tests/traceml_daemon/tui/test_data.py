@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sqlite3
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from traceml_daemon.tui.data import (
     DatabaseMissing,
     TuiData,
     _Buckets,
-    _medians,
+    _RankState,
     downsample,
     load_window_run,
     median,
@@ -200,6 +201,13 @@ def test_first_load_is_set_based(tmp_path: Path) -> None:
     assert statements(4) == statements(64)
 
 
+def _medians(rows: list[tuple[object, ...]]) -> tuple[float | None, dict[str, float | None]]:
+    st = _RankState(1, 0, 0, 0, None, None, None)
+    for row in rows:
+        st.put(row)
+    return st.medians()
+
+
 def test_medians_ignore_absent_values() -> None:
     rows = [step_row(1, 0, s, None)[1:] for s in range(3)]
     rows = [r[:3] + (None,) + r[4:] for r in rows]  # dataloader never measured
@@ -208,4 +216,40 @@ def test_medians_ignore_absent_values() -> None:
     assert phases["dataloader"] is None
     assert step_ms is not None and phases["forward"] == pytest.approx(10.0)
     one = [rows[0][:3] + (None,) + rows[0][4:]]
-    assert _medians(one)[1]["dataloader"] is None  # a lone None sorts without raising
+    assert _medians(one)[1]["dataloader"] is None
+
+
+def test_sliding_window_medians_match_a_fresh_median() -> None:
+    # The sorted columns are kept up to date row by row; they must agree with a
+    # median computed from scratch over whatever the window holds, holes included.
+    rng = random.Random(7)
+    st = _RankState(1, 0, 0, 0, None, None, None)
+    for step in range(300):
+        row = step_row(1, 0, step, None)[1:]
+        values = [None if rng.random() < 0.1 else rng.randrange(1, 50) * 1_000_000 for _ in range(7)]
+        st.put(row[:2] + tuple(values) + row[9:])
+        if rng.random() < 0.2:  # a step written again replaces its row
+            st.put(row[:2] + tuple(v if v is None else v + 1 for v in values) + row[9:])
+        st.trim(32)
+        assert len(st.window) <= 32
+        step_ms, phases = st.medians()
+        expect = [median(r[i] for r in st.window.values()) for i in range(2, 9)]
+        got = [step_ms, *phases.values()]
+        assert got == [None if e is None else pytest.approx(e / 1e6) for e in expect]
+
+
+def test_changed_is_true_only_after_a_commit(tui_db: str) -> None:
+    data = TuiData(tui_db, clock=lambda: 0.0)
+    assert data.changed()  # nothing seen yet
+    assert not data.changed()
+    data.overview()  # its own reads are no change
+    assert not data.changed()
+    rw = sqlite3.connect(tui_db)
+    rw.executemany(
+        "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
+    )
+    rw.commit()
+    assert data.changed()
+    assert not data.changed()
+    rw.close()
+    data.close()
