@@ -2,24 +2,30 @@
 
 ``trace_step(model)`` opens a ``StepRecord``; global patches (DataLoader
 ``__next__``, ``torch.autograd.backward``, optimizer step hooks, ``Tensor.to``
-on CUDA) and two forward hooks on the traced model fill it. At step exit the
+on CUDA) and a wrapper of the traced model's call fill it. At step exit the
 record is only queued: ``poll()`` (sender thread, about once a second) turns
 it into a ``steps`` row, at once on CPU, on GPU once its device events
 completed. Building the row (a 14-key dict, the wait arithmetic, the
 recorder's byte accounting) thus costs the training thread nothing.
 
 Hot-path budget: the training thread pays, per step, the context's enter and
-exit, two forward hooks, the backward wrapper, two optimizer hooks and the
+exit, the model's call wrapper (``capture.model.TimedCall``; forward hooks only
+where ordering needs them), the backward wrapper, two optimizer hooks and the
 DataLoader patch. Inside a real step all of that runs with cold caches (the
 step's own torch work evicts it), where every bytecode, call and touched
-object costs several times its hot-loop price (measured: a trivial Python
-``__exit__`` takes ~0.4 us after a 2 ms step of 512 modules, ~0.1 us in a
-loop). So the hooks do their work inline (no call into a Tracer method on
-CPU), no status object is published per phase change (``status()`` derives
-it), a record is created without an ``__init__`` frame, every uncommon branch
-of step enter/exit sits out of line behind one flag (``_rare``), and nothing
-walks or hooks the submodules. What remains grows somewhat with the size of
-the step all the same: a bigger step leaves the same code colder.
+object costs several times its hot-loop price: step enter + exit measured
+~3.5 us inside a 4-module step against ~0.7 us in a tight loop, torch's hook
+dispatch for two empty root forward hooks ~5-6 us against ~1.7 us. The
+``null`` control of bench/overhead.py (the same entry points, empty) costs
+~2 us at 4 and 64 modules and ~9 us at 512, where the step is 2.4 ms of
+Python and torch that leave everything cold; the tracer costs ~8-9 us and
+~20 us there: the growth is coldness of the same code, not work that
+depends on the module count (there is none). So the hooks do their work
+inline (no call into a Tracer method on CPU), no status object is published
+per phase change (``status()`` derives it), a record is created without an
+``__init__`` frame, every uncommon branch of step enter/exit sits out of line
+behind one flag (``_rare``), the Tracer's hot fields are slots, and nothing
+walks or hooks the submodules: no per-step work depends on the module count.
 
 Thread model: the training thread owns every ``StepRecord`` while it runs;
 ``poll()`` only touches records already handed over through a deque (append
@@ -45,7 +51,7 @@ from agent.capture.deep_dive import DeepDive
 from agent.capture.events import EventBackend, default_backend
 from agent.capture.guard import ErrorGate
 from agent.capture.memory import read_rss
-from agent.capture.model import ModelInfo, ModelState, describe, hook_forward, leaf_modules
+from agent.capture.model import ModelInfo, ModelState, describe, leaf_modules, time_forward
 from agent.capture.record import (
     BACKWARD,
     COMM,
@@ -112,7 +118,8 @@ class _StepContext(ModelState):
                 return
             tracer = self._tracer
             # Every field the host path reads before writing (see StepRecord), set inline:
-            # no __init__ frame on the training thread.
+            # no __init__ frame on the training thread. (Recycling records through a pool
+            # filled by poll() was tried: no gain in a real step, sometimes a loss.)
             rec = _new_record(StepRecord)
             rec.model_id = self.model_id
             rec.step = self.steps
@@ -170,6 +177,19 @@ class Tracer:
     # False from __exit__: the runtime hands them to user code without a Guarded wrapper.
     FAIL_OPEN_CONTEXTS = True
 
+    # Slots, hot ones first. With its 36 attributes an instance's __dict__ no longer shares
+    # keys (CPython 3.11 stops at 30): it was a 1.5 KB hash table whose entries the hooks'
+    # lookups hit at scattered places. Slots are fixed offsets, and the fields a step
+    # touches share the object's first cache lines (a step runs with cold caches).
+    __slots__ = (
+        "_active", "_fed_ns", "_any_fetch", "_rare", "_pending", "_last", "_steps_done",
+        "_dl_t0", "_fed_by", "_models", "_backend", "_perf", "_fetches", "_fetch_seq", "_h2d_t0",
+        "_h2d_out", "_h2d_out_dev", "_recorder", "_gate", "_deep_dive", "_deep_every", "_timeout_ns",
+        "_cuda", "_wall_offset_ns", "_created", "_none_state", "_next_model_id", "_emitted",
+        "_dropped_seen", "_scalars", "_rss", "_undo", "_installed", "device_steps_dropped",
+        "device_steps_fallback", "__weakref__",
+    )
+
     def __init__(
         self,
         recorder: Recorder,
@@ -180,46 +200,48 @@ class Tracer:
         event_backend: EventBackend | None = _AUTO,
         event_timeout_s: float = 30.0,
     ) -> None:
+        backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
+        # The attributes every step reads or writes come first (see __slots__).
+        self._active: StepRecord | None = None
+        # DataLoader fetches since the last step entered: the fed loader's last wait
+        # (-1: none), any other loader's by dataset id -> (seq, ns).
+        self._fed_ns = -1
+        self._any_fetch = False
+        # Step enter takes its out-of-line branch (_enter_rare): set by another loader's fetch
+        # or an H2D copy between steps, always on a device backend.
+        self._rare = backend is not None
+        # CPU records are final at exit, so the oldest may go when the queue is full; device
+        # records hold pooled events and leave only through poll() (resolved or timed out).
+        self._pending: deque[StepRecord] = deque(maxlen=MAX_PENDING_STEPS) if backend is None else deque()
+        # What status() reads besides the active record: the last step closed (its step
+        # number, when the thread went idle), the start of a DataLoader fetch / H2D copy in progress.
+        self._last: StepRecord | None = None
+        self._steps_done = 0
+        self._dl_t0 = 0
+        self._fed_by: int | None = None
+        self._models: dict[int, ModelState] = {}
+        self._backend = backend
+        self._perf = time.perf_counter_ns
+        self._fetches: dict[int, tuple[int, int]] = {}
+        self._fetch_seq = 0
+        self._h2d_t0 = 0
+        # H2D copies made outside any step: charged to the next step.
+        self._h2d_out = 0
+        self._h2d_out_dev: list[tuple[int, Any, Any]] = []
         self._recorder = recorder
         self._gate = ErrorGate(warn)
         self._deep_dive = deep_dive
         self._deep_every = max(1, int(deep_dive_every))
-        self._backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
         self._timeout_ns = int(event_timeout_s * 1e9)
         try:
             self._cuda = bool(torch.cuda.is_available())
         except Exception:
             self._cuda = False
-        self._perf = time.perf_counter_ns
         # wall = perf + offset; status() converts without a clock call on the hot path.
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
-        self._active: StepRecord | None = None
-        # What status() reads besides the active record: the last step closed (its step
-        # number, when the thread went idle), the start of a DataLoader fetch / H2D copy in progress.
-        self._last: StepRecord | None = None
         self._created = self._perf()
-        self._dl_t0 = 0
-        self._h2d_t0 = 0
-        self._steps_done = 0
-        self._models: dict[int, ModelState] = {}
         self._none_state: ModelState | None = None
         self._next_model_id = 0
-        # DataLoader fetches since the last step entered: the fed loader's last wait
-        # (-1: none), any other loader's by dataset id -> (seq, ns).
-        self._fed_ns = -1
-        self._fetches: dict[int, tuple[int, int]] = {}
-        self._fetch_seq = 0
-        self._fed_by: int | None = None
-        self._any_fetch = False
-        # Step enter takes its out-of-line branch (_enter_rare): set by another loader's fetch
-        # or an H2D copy between steps, always on a device backend.
-        self._rare = self._backend is not None
-        # H2D copies made outside any step: charged to the next step.
-        self._h2d_out = 0
-        self._h2d_out_dev: list[tuple[int, Any, Any]] = []
-        # CPU records are final at exit, so the oldest may go when the queue is full; device
-        # records hold pooled events and leave only through poll() (resolved or timed out).
-        self._pending: deque[StepRecord] = deque(maxlen=MAX_PENDING_STEPS) if self._backend is None else deque()
         self._emitted = 0  # records poll() turned into rows
         self._dropped_seen = 0
         from agent.capture.scalars import LazyScalars
@@ -449,7 +471,7 @@ class Tracer:
         state = _StepContext(self, self._next_model_id, model, info)
         self._next_model_id += 1
         if model is not None:
-            state.handles = hook_forward(model, self)
+            state.handles = time_forward(model, info, self)
             if info.parallelism == "ddp":
                 try:
                     state.comm_hooked = ddp.attach(model, self)

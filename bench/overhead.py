@@ -1,33 +1,55 @@
 """Training-thread cost of ``agent.trace_step`` + automatic phase capture (CPU).
 
-Four modes run interleaved block by block in one process, so a noisy
-machine hits all of them alike: ``none`` (no instrumentation installed),
-``tracer`` (an installed Tracer called directly, deep dive off), ``public``
-(the user's path: ``agent.init()`` once, then ``with agent.trace_step(model)``;
-no daemon or relay listens, as for a job whose daemon is down) and
-``profiler`` (torch.profiler, CPU activity). The runtime's tracer is only
-installed during ``public`` blocks, so its patches never sit in the other
-modes' way; its sender thread runs throughout, for every mode alike. A step is a real forward/backward/SGD step of
-a Sequential of N modules with one DataLoader fetch, padded to the target
-step time with a FIXED spin: the loop count is calibrated once per
-configuration on the uninstrumented step and then reused unchanged by every
-mode. (Padding with ``spin_until(t0 + target)`` would let the spin absorb the
-tracer's own cost and report zero overhead.)
+Modes run interleaved block by block in one process, so a noisy machine hits
+all of them alike:
 
-Figures, each printed beside the baseline it is compared with:
+* ``none``: no instrumentation (the baseline every cost is taken against);
+* ``none_aa``: the same bare step in blocks of its own, the A/A control: its
+  true cost is zero, so its figure is the measurement's own noise;
+* ``null``: the control for the entry points (``NullInstrumentation``): the
+  agent's mechanisms (call wrapper on the root module, backward wrapper,
+  optimizer hooks, DataLoader patch, step context), each doing nothing;
+  ``null_hooks``: the same with the agent's former root forward hooks;
+  ``null_fwd_wrap`` / ``null_fwd_hooks``: the forward mechanism alone;
+* ``tracer``: an installed Tracer called directly, deep dive off (one per
+  configuration, installed for its blocks only, polled between blocks);
+  ``tracer_ref`` (``--reference``): another build's Tracer, e.g. the last
+  commit's, for a before/after comparison in the same run;
+* ``public``: the user's path, ``agent.init()`` once, then ``with
+  agent.trace_step(model)``; no daemon or relay listens (a job whose daemon
+  is down); the runtime's tracer is installed during ``public`` blocks only,
+  its sender thread runs throughout, for every mode alike;
+* ``profiler``: torch.profiler, CPU activity (fewer rounds and steps).
 
-* per configuration: cost per step = median(mode) - median(none) over all
-  blocks, with the min/max of the per-round differences, and that cost as a
-  percentage of the uninstrumented step;
-* the relative cost on the ~20 ms step, both as measured there and as the
-  (much less noisy) 0.3 ms-step cost divided by the 20 ms step;
+A step is a real forward/backward/SGD step of a Sequential of N modules with
+one DataLoader fetch, padded to the target step time with a FIXED spin: the
+loop count is calibrated once per configuration on the uninstrumented step
+and then reused unchanged by every mode. (Padding with ``spin_until(t0 +
+target)`` would let the spin absorb the tracer's own cost.)
+
+Every step is timed on two clocks: the training thread's CPU time (the
+figure: what the agent costs that thread, without the time it sat
+descheduled on a shared machine) and wall time. Figures, each beside the
+baseline it is taken against:
+
+* per configuration and mode: median step with the mode - median step of
+  ``none``; the paired figure, the median of the per-round differences, with
+  a bootstrap 95% interval over rounds and the min..max of the rounds; a
+  figure whose interval holds 0 is marked WITHIN NOISE;
+* (a) those at the shortest step for every model size, and the spread from
+  the smallest to the largest model (its own interval);
+* (b) the relative cost at the ~20 ms step, measured there, and the
+  short-step cost divided by the 20 ms step;
 * launch cost: ``python -c 'import agent; agent.init()'`` against
   ``python -c 'import torch'`` (the issue's pair; init() imports no torch),
   ``python -c 'import torch; import agent; agent.init()'`` against the same
   baseline (what a training script pays), and ``agent.init()`` alone, with
   no daemon.
 
-Ends with one JSON line. ``--long`` runs more rounds; ``--quick`` fewer.
+Between processes the figures move by a few microseconds more than one run's
+intervals say (memory layout: where code and objects land in the caches is
+fixed for a process's lifetime), so compare runs, not only rounds. Ends with
+one JSON line. ``--long`` runs more rounds; ``--quick`` fewer.
 """
 
 from __future__ import annotations
@@ -35,11 +57,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -51,7 +76,7 @@ import agent
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 
-MODES_ALL = ("none", "tracer", "public", "profiler")
+MODES_ALL = ("none", "none_aa", "null", "null_hooks", "null_fwd_wrap", "null_fwd_hooks", "tracer_ref", "tracer", "public", "profiler")
 TraceFn = Callable[[torch.nn.Module], AbstractContextManager[Any]]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,8 +92,42 @@ def _layer(i: int) -> torch.nn.Module:
     return torch.nn.Identity()
 
 
-def make_model(n_modules: int) -> torch.nn.Module:
-    # n_modules counts every module including the Sequential itself.
+class _Evict(torch.autograd.Function):
+    """Walks a big list in forward and in backward: leaves the caches cold for what follows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, junk: list[int]) -> torch.Tensor:
+        ctx.junk = junk
+        sum(junk)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sum(ctx.junk)
+        return grad, None
+
+
+class Evict(torch.nn.Module):
+    """The cold-cache control (``--evict-mb``): a module whose forward and backward each
+    touch ``mb`` MiB of Python objects, as a big model's forward and backward would, while
+    the number of modules (and of parameters) stays that of the small model. Evicted
+    there, the agent's forward post and backward end run cold, and so do step exit, the
+    next DataLoader fetch and step enter after the padding's own walk (Workload.evict)."""
+
+    def __init__(self, mb: float) -> None:
+        super().__init__()
+        # A list of distinct ints: 8 bytes of pointer + 32 of int object each.
+        self.junk = list(range(1 << 20, (1 << 20) + int(mb * (1 << 20) / 40)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Evict.apply(x, self.junk)
+        return out
+
+
+def make_model(n_modules: int, evict_mb: float = 0.0) -> torch.nn.Module:
+    # n_modules counts every module including the Sequential itself (and the Evict module).
+    if evict_mb > 0:
+        return torch.nn.Sequential(Evict(evict_mb), *[_layer(i) for i in range(n_modules - 2)])
     return torch.nn.Sequential(*[_layer(i) for i in range(n_modules - 1)])
 
 
@@ -109,12 +168,15 @@ def calibrate_spin() -> float:
 class Workload:
     """One model + optimizer + endless loader; ``step`` runs one padded step."""
 
-    def __init__(self, n_modules: int) -> None:
-        self.model = make_model(n_modules)
+    def __init__(self, n_modules: int, evict_mb: float = 0.0) -> None:
+        self.model = make_model(n_modules, evict_mb)
+        first = self.model[0] if len(self.model) else None
+        self.evict: list[int] | None = first.junk if isinstance(first, Evict) else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.loader = DataLoader(TensorDataset(torch.randn(4096, 8)), batch_size=4)
         self._it: Iterator[Any] = iter(self.loader)
         self.pad = 0
+        self.tracers: dict[str, Any] = {}
 
     def _next(self) -> torch.Tensor:
         try:
@@ -129,12 +191,24 @@ class Workload:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         spin(self.pad)
+        if self.evict is not None:
+            sum(self.evict)  # cold again for step exit, the next fetch and step enter
 
-    def run(self, steps: int, trace: TraceFn | None) -> list[int]:
+    def run(self, steps: int, trace: TraceFn | None) -> tuple[list[int], list[int]]:
+        """(wall ns, training-thread CPU ns) per step.
+
+        Both clocks are read around every step in every mode, so their own cost cancels
+        in the differences. CPU time leaves out the time this thread sat descheduled
+        (the machine is shared), which is most of the wall-clock noise; the cache misses
+        a preemption causes stay in both.
+        """
         perf = time.perf_counter_ns
+        cpu = time.thread_time_ns
         model = self.model
-        times: list[int] = []
+        walls: list[int] = []
+        cpus: list[int] = []
         for _ in range(steps):
+            c0 = cpu()
             t0 = perf()
             x = self._next()
             if trace is not None:
@@ -142,8 +216,11 @@ class Workload:
                     self._body(x)
             else:
                 self._body(x)
-            times.append(perf() - t0)
-        return times
+            t1 = perf()
+            c1 = cpu()
+            walls.append(t1 - t0)
+            cpus.append(c1 - c0)
+        return walls, cpus
 
 
 def start_public() -> None:
@@ -172,13 +249,123 @@ def _public_tracer() -> Any:
     return rt.tracer
 
 
-def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup: int = 2) -> list[int]:
+class _NullStep:
+    """An empty step context manager: the cost of the ``with`` statement and nothing else."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+class NullInstrumentation:
+    """The control: the tracer's entry points, each doing nothing.
+
+    Same mechanisms and registration as the agent: the root module's call wrapped by a
+    pass-through ``_call_impl`` in its instance dict (mode ``null``; ``null_hooks``: the
+    agent's former root forward pre-hook with ``prepend`` and post-hook with
+    ``always_call``), a pass-through ``torch.autograd.backward`` wrapper, global optimizer
+    step pre/post hooks, a pass-through DataLoader ``__next__`` patch and a context
+    manager around the step. The difference to ``none`` is what CPython and torch charge
+    for the entry points alone; whatever the tracer costs beyond it is its own work. If
+    this grows with the module count as the tracer does, the growth is in the dispatch
+    (a bigger step leaves the same code colder), not in anything the agent does per
+    module. ``null_fwd_wrap`` / ``null_fwd_hooks`` keep the forward mechanism alone.
+    """
+
+    def __init__(self, forward_only: bool = False, forward_wrapper: bool = False) -> None:
+        self.forward_only = forward_only
+        self.forward_wrapper = forward_wrapper
+        self._undo: list[Callable[[], None]] = []
+        self._ctx = _NullStep()
+
+    def install(self, model: torch.nn.Module) -> None:
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            return None
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            return None
+
+        if self.forward_wrapper:
+            # The tracer's default mechanism (agent.capture.model.TimedCall): a pass-through
+            # _call_impl in the instance dict, so torch's own _call_impl keeps its fast path.
+            ref = weakref.ref(model)
+            call_impl = type(model)._call_impl
+
+            class _Call:
+                __slots__ = ()
+
+                def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                    return call_impl(ref(), *args, **kwargs)
+
+            model.__dict__["_call_impl"] = _Call()
+            self._undo.append(lambda: model.__dict__.pop("_call_impl", None) and None)
+        else:
+            handles = [model.register_forward_pre_hook(pre, prepend=True),
+                       model.register_forward_hook(post, always_call=True)]
+            self._undo.append(lambda: [h.remove() for h in handles] and None)
+        if self.forward_only:
+            return
+        import torch.autograd
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        orig_backward = torch.autograd.backward
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            return orig_backward(*args, **kwargs)
+
+        torch.autograd.backward = backward  # type: ignore[assignment]
+        self._undo.append(lambda: setattr(torch.autograd, "backward", orig_backward))
+
+        def opt_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            return None
+
+        opt_handles = [register_optimizer_step_pre_hook(opt_hook), register_optimizer_step_post_hook(opt_hook)]
+        self._undo.append(lambda: [h.remove() for h in opt_handles] and None)
+        orig_next = _BaseDataLoaderIter.__next__
+
+        def __next__(self: Any) -> Any:
+            return orig_next(self)
+
+        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+        self._undo.append(lambda: setattr(_BaseDataLoaderIter, "__next__", orig_next))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def trace_step(self, model: torch.nn.Module) -> _NullStep:
+        return self._ctx
+
+
+# --reference: another build's Tracer class, run as mode "tracer_ref" beside this one (a
+# before/after comparison in one interleaved run).
+REFERENCE_TRACER: list[Any] = []
+
+
+def run_block(mode: str, work: Workload, steps: int, recorder: Recorder,
+              warmup: int = 2) -> tuple[list[int], list[int]]:
     """One block of ``steps`` timed steps in ``mode``; set-up and warm-up steps are not timed."""
     tracer: Any = None
     trace: TraceFn | None = None
     prof: Any = None
-    if mode == "tracer":
-        tracer = Tracer(recorder, event_backend=None)
+    if mode.startswith("null"):
+        tracer = NullInstrumentation(forward_only=mode.startswith("null_fwd"),
+                                     forward_wrapper=not mode.endswith("hooks"))
+        tracer.install(work.model)
+        trace = tracer.trace_step
+    elif mode in ("tracer", "tracer_ref"):
+        # One Tracer per configuration, installed for its blocks only (like the runtime's in
+        # public mode): what lives across steps in real use (recycled step records, the
+        # model's state) lives across blocks here too.
+        tracer = work.tracers.get(mode)
+        if tracer is None:
+            factory = Tracer if mode == "tracer" else REFERENCE_TRACER[0]
+            tracer = work.tracers[mode] = factory(recorder, event_backend=None)
         tracer.install()
         trace = tracer.trace_step
     elif mode == "public":
@@ -186,12 +373,11 @@ def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup:
         tracer.install()
         trace = agent.trace_step
     elif mode == "profiler":
-        # Its stop processes every recorded op (seconds for deep models): fewer steps keep
-        # the run short, and medians over equal-length blocks are not needed to compare.
-        steps = min(steps, 40)
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         with _QuietStderr():
             prof.__enter__()
+    # "none" and "none_aa" (the A/A control: the same uninstrumented step in its own
+    # blocks) run bare.
     try:
         # The first traced step describes the model and registers its hooks (once per model).
         work.run(warmup, trace)
@@ -199,7 +385,7 @@ def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup:
     finally:
         if tracer is not None:
             tracer.uninstall()
-            if mode == "tracer":
+            if mode in ("tracer", "tracer_ref"):
                 tracer.poll()  # rows are built here, on the sender thread in real use: not timed
         if prof is not None:
             with _QuietStderr():
@@ -207,43 +393,95 @@ def run_block(mode: str, work: Workload, steps: int, recorder: Recorder, warmup:
         recorder.drain()  # the sender thread's job: not on the timed path
 
 
+# torch.profiler's stop processes every recorded op (seconds for deep models): it runs in
+# this many rounds only, with short blocks. Its cost is 10-100x the others', so its
+# figure needs far fewer samples to stand out of the noise.
+PROFILER_ROUNDS = 3
+PROFILER_MAX_STEPS = 40
+
+
+def _bootstrap_median(deltas: list[float], seed: int, n: int = 2000) -> list[float]:
+    """Medians of ``n`` resamples (with replacement) of the per-round differences."""
+    rng = random.Random(seed)
+    k = len(deltas)
+    return [statistics.median(rng.choices(deltas, k=k)) for _ in range(n)]
+
+
+def _quantiles95(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return ordered[int(0.025 * (len(ordered) - 1))], ordered[int(0.975 * (len(ordered) - 1))]
+
+
+def _summary(deltas: list[float], cost: float, seed: int) -> dict[str, Any]:
+    """A mode's cost against none: pooled and paired, with the noise of the paired figure.
+
+    ``cost_us``: median of all the mode's steps - median of all none steps. ``paired_us``:
+    median of the per-round differences (each round's blocks ran back to back, so slow
+    drifts of the machine cancel), with a bootstrap 95% interval over rounds; a figure
+    whose interval holds 0 cannot be told from no cost at all.
+    """
+    boot = _bootstrap_median(deltas, seed)
+    lo, hi = _quantiles95(boot)
+    return {"cost_us": cost, "paired_us": statistics.median(deltas), "ci95_us": [lo, hi],
+            "min_us": min(deltas), "max_us": max(deltas), "rounds_us": deltas, "boot": boot}
+
+
 def measure_config(n_modules: int, target_ms: float, rate: float, rounds: int, budget_ms: float,
-                   modes: list[str], recorder: Recorder) -> dict[str, Any]:
-    work = Workload(n_modules)
+                   modes: list[str], recorder: Recorder, evict_mb: float = 0.0) -> dict[str, Any]:
+    """All modes on one model size and step time, interleaved round by round.
+
+    Cost of a mode = median of its steps - median of the ``none`` steps (each over all
+    rounds), read on both clocks. Noise: the per-round differences (median of the
+    mode's block - median of the ``none`` block of the same round), reported as
+    min .. max, and the ``none_aa`` control, whose true cost is zero.
+    """
+    work = Workload(n_modules, evict_mb)
     # Calibrate the pad once, on the uninstrumented step; every mode reuses the same count.
     work.run(5, None)
-    body_ns = statistics.median(work.run(15, None))
+    body_ns = statistics.median(work.run(15, None)[0])
     work.pad = max(0, int((target_ms * 1e6 - body_ns) * rate))
     steps = max(6, int(budget_ms / max(target_ms, body_ns / 1e6) / rounds))
-    samples: dict[str, list[int]] = {m: [] for m in modes}
-    per_round: dict[str, list[float]] = {m: [] for m in modes}
+    clocks = ("cpu", "wall")
+    samples: dict[str, dict[str, list[int]]] = {c: {m: [] for m in modes} for c in clocks}
+    per_round: dict[str, dict[str, dict[int, float]]] = {c: {m: {} for m in modes} for c in clocks}
     for r in range(rounds):
+        # Alternate the order so that no mode always follows the same one.
         for mode in modes if r % 2 == 0 else modes[::-1]:
-            times = run_block(mode, work, steps, recorder)
-            samples[mode].extend(times)
-            per_round[mode].append(statistics.median(times))
-    base = statistics.median(samples["none"])
+            n = steps
+            if mode == "profiler":
+                if r >= PROFILER_ROUNDS:
+                    continue
+                n = min(steps, PROFILER_MAX_STEPS)
+            walls, cpus = run_block(mode, work, n, recorder)
+            for clock, times in (("wall", walls), ("cpu", cpus)):
+                samples[clock][mode].extend(times)
+                per_round[clock][mode][r] = statistics.median(times)
     row: dict[str, Any] = {
         "n_modules": n_modules,
         "target_step_ms": target_ms,
         "unpadded_step_us": body_ns / 1e3,
         "pad_iterations": work.pad,
         "steps_per_mode": steps * rounds,
-        "none_median_us": base / 1e3,
+        "rounds": rounds,
+        "evict_mb": evict_mb,
     }
-    line = [f"modules={n_modules:4d} step~{target_ms:5.1f}ms  none (baseline) {base / 1e3:9.1f}us"]
-    for mode in modes[1:]:
-        med = statistics.median(samples[mode])
-        deltas = [(m - b) / 1e3 for m, b in zip(per_round[mode], per_round["none"], strict=True)]
-        cost = (med - base) / 1e3
-        row[f"{mode}_median_us"] = med / 1e3
-        row[f"{mode}_cost_us"] = cost
-        row[f"{mode}_cost_us_min"] = min(deltas)
-        row[f"{mode}_cost_us_max"] = max(deltas)
-        row[f"{mode}_pct"] = 100.0 * cost * 1e3 / base
-        line.append(f"{mode} {med / 1e3:9.1f}us = {cost:+8.2f}us ({row[f'{mode}_pct']:+.3f}%) "
-                    f"[per-round {min(deltas):+.2f} .. {max(deltas):+.2f}]")
-    print("  ".join(line), flush=True)
+    for clock in clocks:
+        base = statistics.median(samples[clock]["none"])
+        row[f"none_{clock}_us"] = base / 1e3
+        line = [f"modules={n_modules:4d} step~{target_ms:5.1f}ms {clock:4s} none {base / 1e3:9.1f}us"]
+        for mode in modes[1:]:
+            med = statistics.median(samples[clock][mode])
+            rounds_run = per_round[clock][mode]
+            deltas = [(v - per_round[clock]["none"][r]) / 1e3 for r, v in rounds_run.items()]
+            fig = _summary(deltas, (med - base) / 1e3, seed=zlib.crc32(f"{n_modules}/{target_ms}/{mode}/{clock}".encode()))
+            fig["median_us"] = med / 1e3
+            fig["pct"] = 100.0 * (med - base) / base
+            fig["pct_min"] = 100.0 * min(deltas) * 1e3 / base
+            fig["pct_max"] = 100.0 * max(deltas) * 1e3 / base
+            row[f"{mode}_{clock}"] = fig
+            lo, hi = fig["ci95_us"]
+            line.append(f"{mode} {fig['cost_us']:+.2f}us (paired {fig['paired_us']:+.2f} [{lo:+.2f}..{hi:+.2f}])")
+        print(" | ".join(line), flush=True)
     return row
 
 
@@ -339,6 +577,66 @@ def measure_launch(runs: int) -> dict[str, Any]:
     return res
 
 
+def _noise(lo: float, hi: float) -> str:
+    return " WITHIN NOISE" if lo <= 0.0 <= hi else ""
+
+
+def report(results: list[dict[str, Any]], modes: list[str], sizes: list[int], targets: list[float],
+           clock: str) -> dict[str, Any]:
+    """The target figures, each beside its same-run baseline and noise; returns them for the JSON."""
+    hot_ms = min(targets)
+    hot = {r["n_modules"]: r for r in results if r["target_step_ms"] == hot_ms}
+    out: dict[str, Any] = {}
+    compared = [m for m in MODES_ALL[1:] if m in modes]
+    print(f"(a) cost per step on the training thread ({clock} clock), ~{hot_ms} ms step. median step with the mode - "
+          f"median step of none; paired: median of the per-round differences, [bootstrap 95% interval], "
+          f"min..max over rounds", flush=True)
+    for mode in compared:
+        figs: dict[str, Any] = {}
+        for n in sizes:
+            r = hot[n]
+            fig = r[f"{mode}_{clock}"]
+            lo, hi = fig["ci95_us"]
+            print(f"    {mode:14s} {n:4d} modules: {fig['cost_us']:+7.2f}us  paired {fig['paired_us']:+7.2f}us "
+                  f"[{lo:+.2f}..{hi:+.2f}] min..max {fig['min_us']:+.2f}..{fig['max_us']:+.2f}{_noise(lo, hi)}  "
+                  f"(none {r[f'none_{clock}_us']:.1f}us, {mode} {fig['median_us']:.1f}us)", flush=True)
+            figs[str(n)] = {k: fig[k] for k in ("cost_us", "paired_us", "ci95_us", "min_us", "max_us")}
+            figs[str(n)]["none_us"] = r[f"none_{clock}_us"]
+        out[f"{mode}_cost_us"] = figs
+        lo_n, hi_n = min(sizes), max(sizes)
+        if lo_n != hi_n:
+            a, b = hot[lo_n][f"{mode}_{clock}"], hot[hi_n][f"{mode}_{clock}"]
+            spread = b["paired_us"] - a["paired_us"]
+            # Independent resamples of the two configurations' rounds.
+            lo, hi = _quantiles95([y - x for x, y in zip(a["boot"], b["boot"], strict=True)])
+            out[f"{mode}_spread_us"] = {"paired_us": spread, "ci95_us": [lo, hi],
+                                        "pooled_us": b["cost_us"] - a["cost_us"]}
+            print(f"    {mode:14s} spread {lo_n} -> {hi_n} modules: paired {spread:+.2f}us [{lo:+.2f}..{hi:+.2f}]"
+                  f"{_noise(lo, hi)} (pooled {b['cost_us'] - a['cost_us']:+.2f}us)", flush=True)
+    # (b) relative to the ~20 ms step, measured there.
+    for r in results:
+        if r["target_step_ms"] != 20.0:
+            continue
+        n = r["n_modules"]
+        base = r[f"none_{clock}_us"]
+        for mode in [m for m in compared if m != "profiler"]:
+            fig = r[f"{mode}_{clock}"]
+            lo, hi = fig["ci95_us"]
+            rel = {"pct": fig["pct"], "paired_pct": 100.0 * fig["paired_us"] / base,
+                   "ci95_pct": [100.0 * lo / base, 100.0 * hi / base],
+                   "pct_min": fig["pct_min"], "pct_max": fig["pct_max"], "none_us": base}
+            derived = ""
+            if str(n) in out.get(f"{mode}_cost_us", {}) and hot_ms != 20.0:
+                rel["from_hot_pct"] = 100.0 * out[f"{mode}_cost_us"][str(n)]["paired_us"] / base
+                derived = f"; {hot_ms} ms-step paired cost / this step {rel['from_hot_pct']:+.4f}%"
+            out.setdefault(f"{mode}_relative_20ms", {})[str(n)] = rel
+            print(f"(b) {mode:14s} relative to the 20 ms step, {n:4d} modules ({clock}): {fig['pct']:+.4f}% "
+                  f"paired {rel['paired_pct']:+.4f}% [{rel['ci95_pct'][0]:+.4f}..{rel['ci95_pct'][1]:+.4f}]"
+                  f"{_noise(lo, hi)} min..max {fig['pct_min']:+.4f}..{fig['pct_max']:+.4f} "
+                  f"(none {base / 1e3:.3f}ms){derived}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--long", action="store_true", help="more rounds and steps (several minutes)")
@@ -346,55 +644,58 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-profiler", action="store_true")
     ap.add_argument("--no-public", action="store_true", help="skip the agent.init()/agent.trace_step mode")
     ap.add_argument("--no-launch", action="store_true")
+    ap.add_argument("--modes", default="",
+                    help="modes to compare with none, comma-separated, from "
+                         f"{', '.join(MODES_ALL[1:])} (default: none_aa, null, tracer, public, profiler)")
     ap.add_argument("--modules", default="4,64,512", help="model sizes (comma-separated module counts)")
     ap.add_argument("--targets", default="0.3,2,20", help="padded step times in ms (0.3 gives the (a) figures)")
+    ap.add_argument("--reference", default="",
+                    help="a module path holding another build's Tracer (e.g. a copy of the agent package "
+                         "from an older commit, renamed): adds mode tracer_ref")
+    ap.add_argument("--evict-mb", type=float, default=0.0,
+                    help="cold-cache control: the model's first module walks this many MiB in forward and "
+                         "backward, and so does the padding (see Evict)")
+    ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default 12; --quick 4, --long 24)")
+    ap.add_argument("--budget-ms", type=float, default=0.0,
+                    help="timed ms per mode per configuration (default 2500; --quick 800, --long 6000)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rounds = 10 if args.long else (2 if args.quick else 6)
-    budget_ms = 6000.0 if args.long else (800.0 if args.quick else 2000.0)  # timed ms per mode per config
-    modes = (["none", "tracer"] + ([] if args.no_public else ["public"])
-             + ([] if args.no_profiler else ["profiler"]))
+    rounds = args.rounds or (24 if args.long else (4 if args.quick else 12))
+    budget_ms = args.budget_ms or (6000.0 if args.long else (800.0 if args.quick else 2500.0))
+    if args.modes:
+        modes = ["none"] + [m for m in args.modes.split(",") if m and m != "none"]
+    else:
+        modes = ["none", "none_aa", "null", "tracer"] + ([] if args.no_public else ["public"])
+        modes += [] if args.no_profiler else ["profiler"]
+    if args.reference:
+        import importlib
+
+        REFERENCE_TRACER.append(importlib.import_module(args.reference).Tracer)
+        if "tracer_ref" not in modes:
+            modes.insert(modes.index("tracer") if "tracer" in modes else len(modes), "tracer_ref")
+    unknown = sorted(set(modes) - set(MODES_ALL))
+    if unknown:
+        ap.error(f"unknown modes: {', '.join(unknown)}")
     if "public" in modes:
         start_public()
     recorder = Recorder()
     rate = calibrate_spin()
     print(f"spin calibration: {rate * 1e3:.1f} iterations/us; modes {', '.join(modes)} run interleaved, "
-          f"{rounds} rounds", flush=True)
+          f"{rounds} rounds, {budget_ms:.0f} timed ms per mode per configuration", flush=True)
     sizes = [int(n) for n in args.modules.split(",")]
     targets = [float(ms) for ms in args.targets.split(",")]
-    results = [measure_config(n, ms, rate, rounds, budget_ms, modes, recorder) for n in sizes for ms in targets]
-
-    # (a) training-thread cost: the shortest step is the least noisy place to read it.
-    hot_ms = min(targets)
-    hot = {str(r["n_modules"]): r for r in results if r["target_step_ms"] == hot_ms}
-    figures: dict[str, Any] = {}
-    for mode in [m for m in ("tracer", "public") if m in modes]:
-        cost_us = {k: r[f"{mode}_cost_us"] for k, r in hot.items()}
-        flat = max(cost_us.values()) - min(cost_us.values())
-        figures[f"{mode}_cost_us"] = cost_us
-        figures[f"{mode}_cost_spread_us"] = flat
-        for k, r in hot.items():
-            print(f"(a) {mode} cost per step, {k:>3} modules: {r[f'{mode}_cost_us']:+.2f}us "
-                  f"[per-round {r[f'{mode}_cost_us_min']:+.2f} .. {r[f'{mode}_cost_us_max']:+.2f}] "
-                  f"(baseline step {r['none_median_us']:.1f}us, with {mode} {r[f'{mode}_median_us']:.1f}us)",
-                  flush=True)
-        print(f"(a) {mode} spread {min(sizes)} -> {max(sizes)} modules: {flat:.2f}us", flush=True)
-    # (b) relative to the ~20 ms step.
-    rel: dict[str, Any] = {}
-    hot_cost = figures["tracer_cost_us"]
-    for r in results:
-        if r["target_step_ms"] != 20.0:
-            continue
-        k = str(r["n_modules"])
-        rel[k] = {"measured_pct": r["tracer_pct"], "from_hot_pct": 100.0 * hot_cost[k] / r["none_median_us"],
-                  "step_us": r["none_median_us"]}
-        print(f"(b) relative to the 20 ms step, {k:>3} modules: measured {r['tracer_pct']:+.4f}%, "
-              f"{hot_ms} ms-step cost / 20 ms step {rel[k]['from_hot_pct']:+.4f}% "
-              f"(baseline step {r['none_median_us'] / 1e3:.3f}ms)", flush=True)
+    results = [measure_config(n, ms, rate, rounds, budget_ms, modes, recorder, args.evict_mb)
+               for n in sizes for ms in targets]
+    figures = report(results, modes, sizes, targets, "cpu")
+    figures_wall = report(results, modes, sizes, targets, "wall")
     launch = {} if args.no_launch else measure_launch(3 if not args.long else 7)
     if "public" in modes:
         agent.shutdown()
-    print(json.dumps({"configs": results, **figures, "relative_20ms": rel, **launch}))
+    for r in results:  # the resamples were for the intervals above; too long for the JSON line
+        for value in r.values():
+            if isinstance(value, dict):
+                value.pop("boot", None)
+    print(json.dumps({"configs": results, "cpu": figures, "wall": figures_wall, **launch}))
 
 
 if __name__ == "__main__":

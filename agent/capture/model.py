@@ -1,10 +1,29 @@
-"""What a traced model is (parallelism, sizes) and its two forward hooks.
+"""What a traced model is (parallelism, sizes) and how its forward is timed.
 
-Only the module handed to ``trace_step`` is hooked (one pre and one post
-hook), whatever its depth, so the per-step cost is flat in the number of
-submodules. Under DDP or FSDP2 the hooks sit on the wrapper the user calls,
-so the wrapper's own pre-forward work (buffer broadcast, all-gather) counts
-as forward.
+Only the module handed to ``trace_step`` is instrumented, whatever its depth,
+so the per-step cost is flat in the number of submodules. Two mechanisms:
+
+* ``TimedCall`` (the default): ``nn.Module.__call__`` looks ``self._call_impl``
+  up on the instance, so a wrapper in the model's own ``__dict__`` under that
+  name runs around the whole call, after which torch's ``_call_impl`` takes its
+  fast path (no hooks on the module). Forward hooks instead send the root's
+  ``_call_impl`` down the slow path (a closure, a set, tuple unpacking,
+  per-hook dict lookups): measured in a real step (bench/overhead.py, the
+  ``null_fwd_hooks`` / ``null_fwd_wrap`` controls), two empty hooks cost ~6.5 us
+  a step and an empty wrapper ~3 us; with all the agent's entry points empty
+  (``null_hooks`` / ``null``), ~4.5-5 us against ~1.5-2.5 us. The wrapper times
+  exactly what the hooks timed plus
+  any other forward hooks on the module (they run inside ``_call_impl``), and
+  like hooks it does not see ``model.forward(x)`` called directly (the daemon
+  reports that as missing forward); ``model.forward`` itself is left alone
+  (introspection, libraries that wrap it).
+* a forward pre-hook and post-hook: FSDP2 (kept on the mechanism its
+  attribution was validated with), a class with its own ``__call__``
+  (``torch.compile``'s ``OptimizedModule``) or ``_call_impl``, and a torch
+  whose ``Module.__call__`` no longer dispatches through ``self._call_impl``.
+
+Under DDP the instrumentation sits on the DDP module the user calls, so DDP's
+own pre-forward work (buffer broadcast) counts as forward.
 """
 
 from __future__ import annotations
@@ -177,3 +196,126 @@ def hook_forward(model: torch.nn.Module, tracer: Any) -> list[Any]:
     # prepend: run before wrapper hooks (FSDP2 all-gather) so they count as forward;
     # always_call: an exception in forward still closes the phase.
     return [model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post, always_call=True)]
+
+
+def _call_dispatches_through_instance() -> bool:
+    """Does ``nn.Module.__call__`` still call ``self._call_impl`` (torch 2.x)? Checked once."""
+    call = torch.nn.Module.__call__
+    code = getattr(call, "__code__", None)
+    return code is not None and "_call_impl" in code.co_names and "_compiled_call_impl" in code.co_names
+
+
+_DISPATCH_OK: bool | None = None
+
+
+def wants_hooks(model: torch.nn.Module, info: ModelInfo) -> bool:
+    """True where forward must be timed by hooks rather than a TimedCall (module docstring)."""
+    global _DISPATCH_OK
+    if _DISPATCH_OK is None:
+        _DISPATCH_OK = _call_dispatches_through_instance()
+    cls = type(model)
+    return (
+        not _DISPATCH_OK
+        or info.parallelism == "fsdp2"
+        or cls.__call__ is not torch.nn.Module.__call__
+        or cls._call_impl is not torch.nn.Module._call_impl
+        or "_call_impl" in model.__dict__
+    )
+
+
+class TimedCall:
+    """A traced model's ``_call_impl``, timed; lives in the model's instance ``__dict__``.
+
+    Same bookkeeping as the two hooks of ``hook_forward`` (nesting depth, the phase
+    start written before the depth for ``status()``, closed on an exception too),
+    in one call instead of torch's hook dispatch. Holds the model weakly: a strong
+    reference from the model's own dict would make every traced model a reference
+    cycle, freed (with its GPU memory) only by a full garbage collection.
+
+    Copies behave like copied hooks did: ``copy.deepcopy(model)`` (an EMA or a
+    teacher) gets a TimedCall of its own, bound to the copy, so the copy runs its
+    own weights and its forward inside a step counts as forward. Pickling
+    (``torch.save(model)``) stores the plain ``_call_impl`` in its place, so a
+    loaded model is untraced. ``model.compile()`` after the first traced step
+    compiles this wrapper (read through ``self._call_impl``), as it compiled the
+    hooks before; dynamo then breaks the graph at the clock read, as it did there.
+    """
+
+    __slots__ = ("_ref", "_fn", "_tracer", "_perf", "_backend", "_fail", "__weakref__")
+
+    def __init__(self, model: torch.nn.Module, tracer: Any) -> None:
+        self._ref = weakref.ref(model)
+        self._fn = type(model)._call_impl  # what __call__ would have called
+        self._tracer = tracer
+        self._perf = time.perf_counter_ns
+        self._backend = tracer._backend  # fixed for the Tracer's lifetime
+        self._fail = tracer._gate.fail
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rec = self._tracer._active
+        if rec is None:  # outside a traced step (evaluation, another library): pass through
+            return self._fn(self._ref(), *args, **kwargs)
+        try:
+            depth = rec.fwd_depth
+            if depth == 0:
+                rec.fwd_t0 = self._perf()  # before the depth: status() reads the start once depth > 0
+                if self._backend is not None:
+                    rec.fwd_ev0 = self._backend.mark()
+            rec.fwd_depth = depth + 1
+        except Exception as exc:
+            self._fail("forward", exc)
+        try:
+            return self._fn(self._ref(), *args, **kwargs)
+        finally:
+            # Closed on an exception too (what always_call=True gave the post-hook).
+            try:
+                depth = rec.fwd_depth
+                if depth > 0:
+                    if depth == 1:
+                        t = self._perf()
+                        rec.fwd += t - rec.fwd_t0
+                        rec.ph_end = t
+                        if self._backend is not None:
+                            self._tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
+                            rec.fwd_ev0 = None
+                    rec.fwd_depth = depth - 1
+            except Exception as exc:
+                self._fail("forward", exc)
+
+    def install(self) -> TimedCall:
+        model = self._ref()
+        if model is not None:
+            # Straight into the dict: nn.Module.__setattr__ has nothing to register for it.
+            model.__dict__["_call_impl"] = self
+        return self
+
+    def remove(self) -> None:
+        """Uninstall (a hook handle's interface, for remove_handles)."""
+        model = self._ref()
+        if model is not None and model.__dict__.get("_call_impl") is self:
+            del model.__dict__["_call_impl"]
+        # Still referenced elsewhere (a model.compile() made meanwhile): the uninstalled
+        # tracer has no active step, so every call passes straight through.
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        model = self._ref()
+        # copy.deepcopy registers the new model in memo before copying its __dict__.
+        new = memo.get(id(model)) if model is not None else None
+        if new is None:  # a dict deep-copied on its own: share, as a function would be
+            return self
+        return TimedCall(new, self._tracer)
+
+    def __reduce__(self) -> Any:
+        model = self._ref()
+        if model is None:
+            raise TypeError("cannot pickle the call of a model that no longer exists")
+        # Unpickled, this reads the class's _call_impl off the new model (not yet carrying
+        # any state): the loaded model runs untraced.
+        return (getattr, (model, "_call_impl"))
+
+
+def time_forward(model: torch.nn.Module, info: ModelInfo, tracer: Any) -> list[Any]:
+    """Instrument ``model``'s forward (module docstring); the handles undo it."""
+    if wants_hooks(model, info):
+        return hook_forward(model, tracer)
+    return [TimedCall(model, tracer).install()]

@@ -37,6 +37,9 @@ PH_WAIT = "wait"
 
 
 class StepRecord:
+    # Order matters a little: slots lie in declaration order, so the fields every host
+    # step touches come first and share as few cache lines as possible (a step runs with
+    # cold caches; see agent/tracer.py); device-only fields follow.
     __slots__ = (
         "model_id",
         "step",
@@ -54,27 +57,27 @@ class StepRecord:
         # nesting/start bookkeeping
         "fwd_depth",
         "fwd_t0",
-        "fwd_ev0",
         "bwd_depth",
         "bwd_end",
-        "bwd_ev0",
         "opt_t0",
         "opt_depth",
-        "opt_ev0",
         # status: when the last phase closed; when DDP launched its last bucket (0: not yet)
         "ph_end",
         "comm_wait",
+        "has_dl",
         # DDP comm hook: host (start, end) per bucket, None when not measured
         "comm",
+        "deep",
         # device timing: None on CPU; else enter/exit events and triples
+        "fwd_ev0",
+        "bwd_ev0",
+        "opt_ev0",
         "ev_enter",
         "ev_exit",
         "dev",
         "dev_lost",
         "peak_bytes",
         "reserved_bytes",
-        "deep",
-        "has_dl",
     )
 
     # No __init__: a step opens on the training thread, where a Python-level
