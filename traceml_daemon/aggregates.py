@@ -21,19 +21,27 @@ one, the numbers straggler diagnosis and the TUI header show.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter, sub
 from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst, worst_key
 from traceml_daemon.ring import Ring
-from traceml_wire.tables import PHASES
+from traceml_wire.tables import PHASES, Column, columns
 
 DEFAULT_WINDOW = 200
 # A rank's pushed columns are folded once it holds this many rows (or a view is
 # read): few enough that unread pushes stay small in memory (4096 ranks x 64 rows),
 # many enough that the per-fold cost is spread over several batches.
 FOLD_ROWS = 64
+
+STEP_COLUMNS = columns("steps")
+# The step columns a fold reads, and where they sit in a batch.
+_FOLDED = ("step", "ts", "step_ns", "wait_ns", "comm_ns", *(f"{p}_ns" for p in PHASES if p != "wait"))
+_FOLDED_AT = tuple((name, STEP_COLUMNS.index(name)) for name in _FOLDED)
+_PICK = itemgetter(*(i for _, i in _FOLDED_AT))
 
 
 @dataclass
@@ -50,39 +58,43 @@ class RankWindow:
     wait_measured: bool = False  # comm (DDP's all-reduce) seen: wait is time blocked on peers
     phases_ns: dict[str, Ring] = field(init=False)
     dirty: bool = field(init=False, default=True)
-    # Columns pushed but not folded into the windows yet (see the module docstring).
-    pending: list[dict[str, list[Any]]] = field(init=False, default_factory=list)
+    # Step batches pushed but not folded into the windows yet (see the module docstring),
+    # each its columns in ``STEP_COLUMNS`` order, read-only.
+    pending: list[Sequence[Column]] = field(init=False, default_factory=list)
     pending_rows: int = field(init=False, default=0)
     _cached: tuple[float | None, dict[str, float | None], float | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.step_ns = Ring(self.window)
-        self.busy_ns = Ring(self.window)
-        self.phases_ns = {p: Ring(self.window) for p in PHASES}
+        # Nanosecond columns are INT on the wire: int64 rings take them without conversion.
+        self.step_ns = Ring(self.window, "q")
+        self.busy_ns = Ring(self.window, "q")
+        self.phases_ns = {p: Ring(self.window, "q") for p in PHASES}
 
     def push(self, cols: dict[str, list[Any]]) -> None:
         """Keep ``cols`` (read-only from now on) for the next fold."""
         n = len(cols.get("step") or ())
-        if n == 0:
-            return
-        self.pending.append(cols)
-        self.pending_rows += n
+        if n:
+            self.push_batches([[cols.get(name) or (None,) * n for name in STEP_COLUMNS]])
+
+    def push_batches(self, batches: Sequence[Sequence[Column]]) -> None:
+        """Keep step batches (columns in ``STEP_COLUMNS`` order, read-only) for the next fold."""
+        self.pending += batches
+        self.pending_rows += sum(len(cols[0]) for cols in batches)
         if self.pending_rows >= min(self.window, FOLD_ROWS):
             self.fold()
 
     def fold(self) -> None:
-        """Bring the windows and counters up to date with every pushed column."""
+        """Bring the windows and counters up to date with every pushed batch."""
         if not self.pending:
             return
         chunks, self.pending, self.pending_rows = self.pending, [], 0
-        names = chunks[0].keys()
-        if len(chunks) > 1 and all(c.keys() == names for c in chunks):
-            # One pass over the concatenated columns costs far less than one per chunk.
-            # (The lists are shared with the history backlog: build new ones, never extend.)
-            self.add({name: list(chain.from_iterable(c[name] for c in chunks)) for name in names})
-            return
-        for chunk in chunks:
-            self.add(chunk)
+        # One pass over the concatenated columns, and only those read, costs far less
+        # than one per chunk. (The columns are shared with the history backlog: build
+        # new lists, never change them.)
+        if len(chunks) == 1:
+            self.add(dict(zip(_FOLDED, _PICK(chunks[0]), strict=True)))
+        else:
+            self.add({name: list(chain.from_iterable(map(itemgetter(i), chunks))) for name, i in _FOLDED_AT})
 
     def add(self, cols: dict[str, list[Any]]) -> None:
         steps = cols.get("step") or []
@@ -93,30 +105,36 @@ class RankWindow:
         self.dirty = True
         # Whole-column C-level passes (max, Ring.extend) instead of a Python loop
         # per row: this runs for every committed step row, on the event loop.
-        # Decoded columns hold ints (or None), so max() needs only the Nones gone.
-        valid = [s for s in steps if s is not None] if None in steps else steps
-        if valid:
-            top = max(valid)
-            if self.last_step is None or top >= self.last_step:
-                self.last_step = top
-                ts = cols.get("ts")
-                if ts:
-                    stamps = [t for t in ts if t is not None] if None in ts else ts
-                    if stamps:
-                        self.last_ts = max(stamps)
+        # Decoded columns hold ints (or None): max() raises on a None among them (and
+        # returns it when alone), so the Nones are filtered only when there are some.
+        top = _max_or_none(steps)
+        if top is not None and (self.last_step is None or top >= self.last_step):
+            self.last_step = top
+            ts = cols.get("ts")
+            if ts:
+                stamp = _max_or_none(ts)
+                if stamp is not None:
+                    self.last_ts = stamp
         step_ns = cols.get("step_ns")
-        _extend(self.step_ns, step_ns)
+        if step_ns:
+            self.step_ns.extend(step_ns)  # skips None (not measured): out of the median
         wait = cols.get("wait_ns")
         if step_ns and wait and len(wait) == len(step_ns):
-            _extend(self.busy_ns, [s - (w or 0) if s is not None else None for s, w in zip(step_ns, wait, strict=True)])
-        else:
-            _extend(self.busy_ns, step_ns)
+            try:
+                busy = list(map(sub, step_ns, wait))  # the usual case, in C
+            except TypeError:  # a None in either
+                busy = [s - (w or 0) if s is not None else None for s, w in zip(step_ns, wait, strict=True)]
+            self.busy_ns.extend(busy)
+        elif step_ns:
+            self.busy_ns.extend(step_ns)
         comm = cols.get("comm_ns")
         if comm and not self.wait_measured:
             self.wait_measured = any(v is not None for v in comm)
-        for phase in PHASES:
-            # "None" means not measured, so it stays out of the median.
-            _extend(self.phases_ns[phase], cols.get(f"{phase}_ns"))
+        phases = self.phases_ns
+        for phase, name in _PHASE_COLUMNS:
+            values = cols.get(name)
+            if values:
+                phases[phase].extend(values)
 
     def medians(self) -> tuple[float | None, dict[str, float | None], float | None]:
         """(step, phases, busy) medians in ms; busy is the step's where wait is not measured."""
@@ -129,12 +147,14 @@ class RankWindow:
         return self._cached
 
 
-def _extend(window: Ring, values: list[Any] | None) -> None:
-    if not values:
-        return
-    if None in values:
-        values = [v for v in values if v is not None]
-    window.extend(values)
+def _max_or_none(values: Sequence[Any]) -> Any:
+    try:
+        return max(values)
+    except TypeError:
+        return max((v for v in values if v is not None), default=None)
+
+
+_PHASE_COLUMNS = tuple((p, f"{p}_ns") for p in PHASES)
 
 
 @dataclass
@@ -172,6 +192,25 @@ class Aggregates:
         if node_rank is not None:
             rank.node_rank = node_rank
         rank.push(cols)
+
+    def add_batches(
+        self,
+        rank_id: int,
+        batches: Sequence[Sequence[Column]],
+        *,
+        global_rank: int | None = None,
+        node_rank: int | None = None,
+    ) -> None:
+        """Like ``add_steps`` for decoded step batches (columns in ``STEP_COLUMNS`` order):
+        the writer's path, one call per rank and transaction."""
+        rank = self._ranks.get(rank_id)
+        if rank is None:
+            rank = self._ranks[rank_id] = RankWindow(rank_id, window=self.window)
+        if global_rank is not None:
+            rank.global_rank = global_rank
+        if node_rank is not None:
+            rank.node_rank = node_rank
+        rank.push_batches(batches)
 
     def snapshot(self) -> list[RankSnapshot]:
         """Medians of every rank's current window, ordered by global rank."""

@@ -22,7 +22,7 @@ from operator import itemgetter
 from typing import Any
 
 from traceml_wire.errors import ProtocolError
-from traceml_wire.tables import TABLES, columns, decode_columns
+from traceml_wire.tables import TABLES, Column, columns, decode_columns
 
 log = logging.getLogger("traceml_daemon.ingest")
 
@@ -67,11 +67,12 @@ class Plan:
     """Everything one transaction writes."""
 
     # table -> its decoded batches, (rank_id, columns), in arrival order; ``Ingestor.staged``
-    # turns each table into ``flat``: the parameters of all its rows, row-major
-    # ((rank_id, *columns) per row), built by one C-level pass per table and
-    # transaction (not per batch) and sliced straight into multi-row INSERT statements.
-    chunks: dict[str, list[tuple[int, list[list[Any]]]]] = field(default_factory=dict)
-    flat: dict[str, list[Any]] = field(default_factory=dict)
+    # turns each table into ``columns``: rank_id then every column of the table, each
+    # one list over all of the transaction's rows (column-major), built by one C-level
+    # concatenation per column and transaction. The writer binds them column-major
+    # into multi-row INSERTs with numbered parameters, so no pass ever visits rows.
+    chunks: dict[str, list[tuple[int, list[Column]]]] = field(default_factory=dict)
+    columns: dict[str, list[list[Any]]] = field(default_factory=dict)
     row_counts: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # sender -> RANK_COLUMNS row
     # Senders whose identity row is committed already: (rank_id, last_seen, last_seq).
@@ -80,8 +81,9 @@ class Plan:
     full_rows: dict[str, _RankTemplate] = field(default_factory=dict)
     relay_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # relay sender -> counters
     agent_drops: dict[str, dict[str, int]] = field(default_factory=dict)  # agent sender -> source -> count
-    # rank_id -> its step batches (column name -> values), for history and aggregates.
-    steps_by_rank: dict[int, list[dict[str, list[Any]]]] = field(default_factory=dict)
+    # rank_id -> its step batches (columns in ``TABLE_COLUMNS["steps"]`` order, read-only),
+    # for history and aggregates.
+    steps_by_rank: dict[int, list[list[Column]]] = field(default_factory=dict)
     rows_stored: int = 0
     duplicates_discarded: int = 0
     bad_bodies: int = 0
@@ -93,14 +95,12 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not (
-            self.flat or self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
+            self.columns or self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
         )
 
     def rows(self, table: str) -> list[tuple[Any, ...]]:
-        """The rows of ``table`` as tuples (tests and tools; the writer uses ``flat``)."""
-        flat = self.flat.get(table, [])
-        width = len(TABLE_COLUMNS[table]) + 1
-        return [tuple(flat[i : i + width]) for i in range(0, len(flat), width)]
+        """The rows of ``table`` as tuples (tests and tools; the writer binds ``columns``)."""
+        return list(zip(*self.columns.get(table, ()), strict=True))
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,6 @@ def parse_agent_sender(sender: str) -> SenderId | None:
 
 
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: columns(name) for name in TABLES}
-_STEP_COLUMNS = TABLE_COLUMNS["steps"]
 _DROP_SOURCE = TABLE_COLUMNS["drops"].index("source")
 _DROP_COUNT = TABLE_COLUMNS["drops"].index("count")
 
@@ -205,7 +204,14 @@ class Ingestor:
         self, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
     ) -> _RankTemplate:
         cached = self._templates.get(sender)
-        if cached is not None and cached.session == session and cached.identity == identity and cached.node == node:
+        # The identity dicts are usually the very objects cached (the session's identity
+        # cache hands the same cleaned dict back): ``is`` spares comparing them.
+        if (
+            cached is not None
+            and cached.session == session
+            and (cached.identity is identity or cached.identity == identity)
+            and (cached.node is node or cached.node == node)
+        ):
             return cached
         parsed = parse_agent_sender(sender)
         # The sender id is the agent's own statement of its session; the relay's
@@ -236,23 +242,23 @@ class Ingestor:
         return template
 
     @staticmethod
-    def _add_tables(plan: Plan, rank_id: int, sender: str, tables: dict[str, list[list[Any]]]) -> None:
+    def _add_tables(plan: Plan, rank_id: int, sender: str, tables: dict[str, list[Column]]) -> None:
+        chunks = plan.chunks
         for name, cols in tables.items():
-            n = len(cols[0])  # decode_columns drops empty tables
-            have = plan.chunks.get(name)
+            have = chunks.get(name)
             if have is None:
-                plan.chunks[name] = [(rank_id, cols)]
+                chunks[name] = [(rank_id, cols)]
             else:
                 have.append((rank_id, cols))
-            plan.rows_stored += n
+            plan.rows_stored += len(cols[0])  # decode_columns drops empty tables
             if name == "steps":
-                # The decoded lists are ours alone, and only ever read from now on.
+                # The decoded columns are ours alone, and only ever read from now on:
+                # history and the aggregates share them, no copy and no dict per batch.
                 batches = plan.steps_by_rank.get(rank_id)
-                step_cols = dict(zip(_STEP_COLUMNS, cols, strict=True))
                 if batches is None:
-                    plan.steps_by_rank[rank_id] = [step_cols]
+                    plan.steps_by_rank[rank_id] = [cols]
                 else:
-                    batches.append(step_cols)
+                    batches.append(cols)
             elif name == "drops":
                 # Cumulative counters: the latest value per source wins.
                 drops = plan.agent_drops.setdefault(sender, {})
@@ -278,7 +284,7 @@ class Ingestor:
                 plan.full_rows[sender] = t
         plan.rank_sources.clear()
         for name, chunks in plan.chunks.items():
-            plan.flat[name], plan.row_counts[name] = _flatten(chunks)
+            plan.columns[name], plan.row_counts[name] = _concat(chunks)
         plan.chunks.clear()
         self.pending.update(plan.high_water)
 
@@ -295,16 +301,16 @@ class Ingestor:
         plan.high_water.clear()
         self.pending.clear()
 
-def _flatten(chunks: list[tuple[int, list[list[Any]]]]) -> tuple[list[Any], int]:
-    """(rank_id, *columns) per row, flat, over every batch of one table: one zip over
-    chained columns, so the per-batch cost is a list append, not a zip of its own."""
+def _concat(chunks: list[tuple[int, list[Column]]]) -> tuple[list[list[Any]], int]:
+    """rank_id and then every column of one table, each one list over all its batches:
+    one C-level concatenation per column, so the per-batch cost is a list append and
+    the per-value cost a pointer copy (a row-major zip cost a tuple step per row)."""
     counts = [len(cols[0]) for _, cols in chunks]
-    rank_ids = chain.from_iterable(map(repeat, [rid for rid, _ in chunks], counts))
+    rank_ids = list(chain.from_iterable(map(repeat, [rid for rid, _ in chunks], counts)))
     col_lists = [cols for _, cols in chunks]
-    columns = [chain.from_iterable(map(itemgetter(i), col_lists)) for i in range(len(col_lists[0]))]
-    # zip reuses its result tuple when chain drops it at once: no tuple per row survives.
-    # Not strict: decode checked that every column of a batch has the same length.
-    return list(chain.from_iterable(zip(rank_ids, *columns, strict=False))), sum(counts)
+    out = [rank_ids]
+    out += [list(chain.from_iterable(map(itemgetter(i), col_lists))) for i in range(len(col_lists[0]))]
+    return out, len(rank_ids)
 
 
 def insert_sql(table: str) -> str:

@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceml_daemon.store.policy import DEFAULT_POLICY
 from traceml_wire import auth, messages
 from traceml_wire.errors import FrameTooLarge, ProtocolError
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, encode_frame, unpack_message
@@ -82,6 +83,8 @@ class PeerSession:
 
     def __post_init__(self) -> None:
         self._decoder = FrameDecoder(self.max_frame_bytes)
+        # Cleaned peer identities of this connection's rbatches (see messages._cleaned).
+        self._identities: messages.IdentityCache = {}
 
     # ----------------------------------------------------------- outbound
 
@@ -132,7 +135,9 @@ class PeerSession:
 
     def _on_frame(self, body: bytes) -> Event | None:
         try:
-            message = messages.validate_client_message(unpack_message(body))
+            message = messages.validate_client_message(
+                unpack_message(body), self._identities, DEFAULT_POLICY.identity_cache_entries
+            )
         except ProtocolError as exc:
             if self.state is State.AWAIT_HELLO:
                 # A bad hello is refused with its reason so the peer can tell

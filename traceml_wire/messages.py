@@ -146,8 +146,33 @@ def clean_identity(raw: object) -> dict[str, Any]:
     return out
 
 
-def validate_client_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Check a message a client sent; return it (with cleaned fields) or raise."""
+IdentityCache = dict[str, tuple[Any, dict[str, Any]]]  # sender -> (identity as sent, cleaned)
+
+
+def _cleaned(cache: IdentityCache | None, key: str, raw: object, max_entries: int) -> dict[str, Any]:
+    """``clean_identity(raw)``, reusing the result while ``key`` sends the same identity.
+
+    A relay repeats every agent's identity in every rbatch; comparing it with the
+    one sent last time costs a fraction of cleaning it again, and the same cleaned
+    dict coming back lets the daemon's own per-sender caches match it by identity."""
+    if cache is None:
+        return clean_identity(raw)
+    hit = cache.get(key)
+    if hit is not None and (hit[0] is raw or hit[0] == raw):
+        return hit[1]
+    cleaned = clean_identity(raw)
+    if len(cache) >= max_entries:
+        cache.clear()  # bounded: a peer cycling through senders costs a re-clean, not memory
+    cache[key] = (raw, cleaned)
+    return cleaned
+
+
+def validate_client_message(
+    message: dict[str, Any], identities: IdentityCache | None = None, max_identities: int = 65_536
+) -> dict[str, Any]:
+    """Check a message a client sent; return it (with cleaned fields) or raise.
+
+    ``identities`` (one per connection) caches cleaned rbatch peer and node identities."""
     kind = message["t"]
     if kind not in CLIENT_TYPES:
         raise ProtocolError(f"unknown message type {kind!r}")
@@ -183,10 +208,11 @@ def validate_client_message(message: dict[str, Any]) -> dict[str, Any]:
                 raise ProtocolError("rbatch items must be [sender:str, seq:int >= 1, body:bytes]")
         peers = _require(message, "peers", dict)
         for sender, identity in list(peers.items()):
-            if not isinstance(sender, str):
+            if type(sender) is not str:
                 raise ProtocolError("rbatch peers must be keyed by sender string")
-            peers[sender] = clean_identity(identity)
-        message["node"] = clean_identity(message.get("node", {}))
+            peers[sender] = _cleaned(identities, sender, identity, max_identities)
+        # "" is never a sender (hello requires 1..200 characters): the node's slot.
+        message["node"] = _cleaned(identities, "", message.get("node", {}), max_identities)
         stats = message.get("stats", {})
         message["stats"] = {
             k: v for k, v in stats.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)

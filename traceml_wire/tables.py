@@ -17,7 +17,8 @@ measured", never zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -171,7 +172,11 @@ def encode_body(tables: dict[str, dict[str, list[Any]]], **extra: Any) -> bytes:
 
 def _unpack_tables(body: bytes) -> dict[Any, Any]:
     try:
-        raw = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        # use_list=False: wire arrays become tuples. A tuple of numbers is one
+        # allocation instead of two, and the cyclic GC stops tracking it after its
+        # first young collection, so rows waiting in the daemon (a transaction, the
+        # history backlog) are not walked again and again by older collections.
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=False)
     except Exception as exc:
         raise ProtocolError(f"batch body is not valid msgpack: {exc.__class__.__name__}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("tables", {}), dict):
@@ -180,66 +185,113 @@ def _unpack_tables(body: bytes) -> dict[Any, Any]:
     return tables
 
 
-# Per table: column names in order, and per kind a getter of its columns, so
-# validation is a few C-level passes per table instead of a Python loop per column.
-_Kinds = tuple[tuple[frozenset[type], Callable[[list[Any]], Any], bool], ...]
+# SQLite stores 64-bit signed integers; msgpack also carries uint64 up to 2**64 - 1,
+# which sqlite3 refuses at bind time (OverflowError), failing the whole transaction.
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
+Column = Sequence[Any]  # a tuple as decoded, a list where a missing column was filled
 
 
-def _kinds(spec: tuple[tuple[str, str], ...]) -> _Kinds:
-    out = []
-    for kind in (INT, REAL, TEXT):
-        where = [i for i, (_, k) in enumerate(spec) if k == kind]
-        if where:
-            # itemgetter of one index returns the column itself, of several a tuple of columns.
-            out.append((_EXACT_TYPES[kind], itemgetter(*where), len(where) > 1))
-    return tuple(out)
+# Per table: column names in order, and per kind the getter of its columns (a
+# tuple of columns), so the checks of a whole body are one C-level pass per kind.
+@dataclass(frozen=True)
+class _Spec:
+    names: tuple[str, ...]
+    ints: Callable[[list[Column]], tuple[Column, ...]]
+    reals: Callable[[list[Column]], tuple[Column, ...]]
+    texts: Callable[[list[Column]], tuple[Column, ...]]
 
 
-_SPECS: dict[str, tuple[tuple[str, ...], _Kinds]] = {
-    name: (tuple(col for col, _ in spec), _kinds(spec)) for name, spec in TABLES.items()
+def _getter(spec: tuple[tuple[str, str], ...], kind: str) -> Callable[[list[Column]], tuple[Column, ...]]:
+    where = [i for i, (_, k) in enumerate(spec) if k == kind]
+    if not where:
+        return lambda values: ()
+    if len(where) == 1:
+        only = where[0]
+        return lambda values: (values[only],)
+    return itemgetter(*where)  # several indexes: a tuple of columns
+
+
+_SPECS: dict[str, _Spec] = {
+    name: _Spec(tuple(col for col, _ in spec), _getter(spec, INT), _getter(spec, REAL), _getter(spec, TEXT))
+    for name, spec in TABLES.items()
 }
+_TUPLE_ONLY = {tuple}
+_INT_TYPES = _EXACT_TYPES[INT]
+_REAL_TYPES = _EXACT_TYPES[REAL]
+_TEXT_TYPES = _EXACT_TYPES[TEXT]
+_chain = chain.from_iterable
+_NONE_TYPE = type(None)
 
 
-def decode_columns(body: bytes) -> dict[str, list[list[Any]]]:
-    """Like ``decode_body``, but each table is its columns as lists in ``columns(name)`` order.
+def decode_columns(body: bytes) -> dict[str, list[Column]]:
+    """Like ``decode_body``, but each table is its columns in ``columns(name)`` order.
 
     The daemon's ingest path: it needs the columns in schema order anyway, and
-    skipping the per-table dict saves work on every batch.
+    skipping the per-table dict saves work on every batch. Columns are read-only
+    sequences (tuples as decoded; lists where a missing column was filled with None).
+
+    Fast path: every known column of every known table present, one length per
+    table, and the types (and int64 range) of all the body's INT, REAL and TEXT
+    cells checked in one C-level pass per kind, not per column or per value in
+    Python. Anything else takes ``_exact``, which raises the first problem in
+    table and column order, exactly as the column-by-column check always did.
     """
-    out: dict[str, list[list[Any]]] = {}
-    for name, cols in _unpack_tables(body).items():
+    tables = _unpack_tables(body)
+    out: dict[str, list[Column]] = {}
+    ints: list[Column] = []
+    reals: list[Column] = []
+    texts: list[Column] = []
+    for name, cols in tables.items():
+        spec = _SPECS.get(name) if type(name) is str else None
+        if spec is None:
+            continue
+        if type(cols) is not dict:
+            return _exact(tables)
+        values = list(map(cols.get, spec.names))
+        if None in values or _TUPLE_ONLY != set(map(type, values)) or len(set(map(len, values))) != 1:
+            return _exact(tables)
+        ints += spec.ints(values)
+        reals += spec.reals(values)
+        texts += spec.texts(values)
+        if values[0]:
+            out[name] = values
+    if ints:
+        kinds = set(map(type, _chain(ints)))
+        if not _INT_TYPES.issuperset(kinds):
+            return _exact(tables)
+        # Only the top can overflow (msgpack's lowest int is -2**63). filter(None, ...)
+        # drops None (and zeros, harmless for a max) in C, where a None is present.
+        cells = filter(None, _chain(ints)) if _NONE_TYPE in kinds else _chain(ints)
+        if max(cells, default=0) > INT64_MAX:
+            return _exact(tables)
+    if reals:
+        kinds = set(map(type, _chain(reals)))
+        if not _REAL_TYPES.issuperset(kinds) or int in kinds and not _ints_fit(_chain(reals)):
+            return _exact(tables)
+    if texts and not _TEXT_TYPES.issuperset(map(type, _chain(texts))):
+        return _exact(tables)
+    return out
+
+
+def _ints_fit(values: Iterable[Any]) -> bool:
+    return all(INT64_MIN <= v <= INT64_MAX for v in values if type(v) is int)
+
+
+def _exact(tables: dict[Any, Any]) -> dict[str, list[Column]]:
+    """The column-by-column path: missing columns filled with None, errors in order."""
+    out: dict[str, list[Column]] = {}
+    for name, cols in tables.items():
         spec = _SPECS.get(name) if isinstance(name, str) else None
         if spec is None:
             continue
         if not isinstance(cols, dict):
             raise ProtocolError(f"table {name!r} must be a map of column to list")
-        names, kinds = spec
-        values = list(map(cols.get, names))
-        # Fast path: every known column present, all lists of one length, value
-        # types allowed. Anything else (missing columns included) takes the
-        # column-by-column path, which raises the same errors as it always did.
-        if None in values or _LIST_ONLY != set(map(type, values)) or len(set(map(len, values))) != 1:
-            values = _slow_columns(name, cols)
-            if values is not None:
-                out[name] = values
-            continue
-        for allowed, get, many in kinds:
-            cells = chain.from_iterable(get(values)) if many else get(values)
-            if not allowed.issuperset(map(type, cells)):
-                _check_columns(name, cols)  # raises
-        if values[0]:
-            out[name] = values
+        length = _check_columns(name, cols)
+        if length:
+            out[name] = [(None,) * length if v is None else v for v in map(cols.get, spec.names)]
     return out
-
-
-_LIST_ONLY = {list}
-
-
-def _slow_columns(name: str, cols: dict[Any, Any]) -> list[list[Any]] | None:
-    length = _check_columns(name, cols)
-    if not length:
-        return None
-    return [[None] * length if v is None else v for v in map(cols.get, _SPECS[name][0])]
 
 
 def _check_columns(name: str, cols: dict[Any, Any]) -> int | None:
@@ -249,7 +301,7 @@ def _check_columns(name: str, cols: dict[Any, Any]) -> int | None:
         values = cols.get(col)
         if values is None:
             continue
-        if not isinstance(values, list):
+        if not isinstance(values, (list, tuple)):
             raise ProtocolError(f"column {name}.{col} must be a list")
         if length is None:
             length = len(values)
@@ -259,6 +311,8 @@ def _check_columns(name: str, cols: dict[Any, Any]) -> int | None:
         bad = set(map(type, values)) - _EXACT_TYPES[kind]
         if bad:
             raise ProtocolError(f"column {name}.{col} holds a {next(iter(bad)).__name__}, expected {kind}")
+        if kind != TEXT and int in set(map(type, values)) and not _ints_fit(values):
+            raise ProtocolError(f"column {name}.{col} holds an integer outside the signed 64-bit range")
     return length
 
 
@@ -268,7 +322,10 @@ def decode_body(body: bytes) -> dict[str, dict[str, list[Any]]]:
     Unknown tables and columns are dropped; missing known columns are filled
     with None; wrong types or ragged columns raise ProtocolError.
     """
-    return {name: dict(zip(_SPECS[name][0], values, strict=True)) for name, values in decode_columns(body).items()}
+    return {
+        name: {col: list(v) for col, v in zip(_SPECS[name].names, values, strict=True)}
+        for name, values in decode_columns(body).items()
+    }
 
 
 def rows(table: dict[str, list[Any]], order: tuple[str, ...]) -> list[tuple[Any, ...]]:

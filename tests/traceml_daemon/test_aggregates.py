@@ -52,3 +52,16 @@ def test_worst_rank_under_ddp_is_the_busiest_not_the_slowest_step() -> None:
     live = agg.live()
     assert live.worst_rank == 1 and live.nodes[0].worst_rank == 1
     assert live.ranks[1].busy_ms_median == 28.0 and live.worst_step_ms == 30.0
+
+
+def test_decoded_batches_fold_like_column_maps() -> None:
+    from traceml_daemon.aggregates import STEP_COLUMNS
+
+    by_map, by_batch = Aggregates(window=8), Aggregates(window=8)
+    for i in range(6):
+        cols = _cols(3 * i, 3, (10 + i) * 1_000_000, fwd=None if i == 2 else 1_000_000)
+        cols["wait_ns"] = [None, 2_000_000, 1_000_000]
+        by_map.add_steps(1, cols, global_rank=0, node_rank=0)
+        batch = tuple(tuple(cols[c]) if c in cols else (None,) * 3 for c in STEP_COLUMNS)
+        by_batch.add_batches(1, [batch], global_rank=0, node_rank=0)
+    assert by_map.snapshot() == by_batch.snapshot()

@@ -134,3 +134,31 @@ def test_ring_keeps_the_newest_values() -> None:
     for chunk in ([1, 2], [3], [4, 5, 6], list(range(7, 20))):
         ring.extend(chunk)
     assert list(ring) == [16.0, 17.0, 18.0, 19.0] and len(ring) == 4
+
+
+def test_int64_ring_clamps_instead_of_failing() -> None:
+    ring = Ring(3, "q")
+    ring.extend([1, 2])
+    ring.extend([3, 2**64])  # array.extend raises part way: nothing half-added survives
+    assert list(ring) == [2, 3, 2**63 - 1]
+
+
+def test_column_major_statements_insert_the_same_rows() -> None:
+    import sqlite3
+
+    from traceml_daemon.store.writer import multi_row_columns
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (a, b, c)")
+    rows = [(i, f"x{i}", i / 2) for i in range(1500)]  # more than one statement's worth
+    cols = [list(c) for c in zip(*rows, strict=True)]
+    for sql, params in multi_row_columns(("INSERT INTO t (a, b, c)", "", 3), cols, len(rows)):
+        conn.execute(sql, params)
+    assert conn.execute("SELECT a, b, c FROM t ORDER BY rowid").fetchall() == rows
+
+
+def test_ring_skips_none_and_keeps_the_newest_measured_values() -> None:
+    ring = Ring(3, "q")
+    ring.extend([1, None, 2])
+    ring.extend([None, 3, 4.0, None])
+    assert list(ring) == [2, 3, 4]

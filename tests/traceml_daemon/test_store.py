@@ -159,3 +159,12 @@ def test_byte_queue_blocks_producers_until_the_writer_releases() -> None:
         return events
 
     assert asyncio.run(scenario()) == ["a taken", "b queued"]
+
+
+def test_integer_beyond_int64_is_a_bad_body_not_a_failed_transaction(tmp_path: Path) -> None:
+    # sqlite3 raises OverflowError (not sqlite3.Error) binding it: before decode refused
+    # it, it escaped the writer and ended the daemon.
+    db = tmp_path / "x.db"
+    huge = encode_body({"steps": {"step": [1], "step_ns": [2**64 - 1]}})
+    writer = asyncio.run(write_all(db, [item(1, [[A0, 1, huge], [A1, 1, steps_body(0, 2)]])]))
+    assert (writer.counters.bad_bodies, writer.counters.rows_stored) == (1, 2)

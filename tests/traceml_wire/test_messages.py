@@ -177,3 +177,29 @@ def test_validators_raise_only_protocol_error(kind: str, fields: dict[str, Any])
             validate({**fields, "t": kind})
         except ProtocolError:
             pass
+
+
+def test_rbatch_identities_cleaned_once_per_connection_and_again_when_changed() -> None:
+    cache: m.IdentityCache = {}
+
+    def rbatch(identity: dict[str, Any]) -> dict[str, Any]:
+        msg = m.relay_batch(1, [["a", 1, b"b"]], {"a": identity}, {"node_rank": 0, "junk": 1}, {})
+        return m.validate_client_message(_roundtrip(msg), cache)
+
+    first = rbatch({"global_rank": 1, "junk": [1]})
+    again = rbatch({"global_rank": 1, "junk": [1]})
+    assert first["peers"]["a"] == {"global_rank": 1} and again["peers"]["a"] is first["peers"]["a"]
+    assert again["node"] == {"node_rank": 0} and again["node"] is first["node"]
+    changed = rbatch({"global_rank": 2, "local_rank": True})
+    assert changed["peers"]["a"] == {"global_rank": 2}  # re-cleaned: the bool is dropped
+    assert m.validate_client_message(_roundtrip(m.relay_batch(1, [], {"a": {"global_rank": 3}}, {}, {})))[
+        "peers"
+    ] == {"a": {"global_rank": 3}}  # no cache: as before
+
+
+def test_identity_cache_is_bounded() -> None:
+    cache: m.IdentityCache = {}
+    for i in range(10):
+        msg = m.relay_batch(1, [], {f"s{i}": {"global_rank": i}}, {}, {})
+        m.validate_client_message(_roundtrip(msg), cache, max_identities=4)
+        assert len(cache) <= 4

@@ -101,3 +101,69 @@ def test_decode_raises_only_protocol_error(tables: dict[Any, Any]) -> None:
     for name, table in out.items():
         assert set(table) == set(columns(name))
         assert len({len(v) for v in table.values()}) == 1
+
+
+def test_integers_beyond_int64_rejected() -> None:
+    # SQLite stores signed 64-bit integers; sqlite3 refuses anything else at bind time,
+    # which would fail the daemon's whole transaction, so decode refuses it first.
+    for col, value in (("step", 2**63), ("step", 2**64 - 1), ("value", 2**63)):
+        with pytest.raises(ProtocolError, match="64-bit"):
+            decode_body(_pack({"tables": {"scalars": {col: [1, value] if col == "step" else [1.0, value]}}}))
+    edge = decode_body(_pack({"tables": {"scalars": {"step": [2**63 - 1, -(2**63)], "value": [2**63 - 1, 0.5]}}}))
+    assert edge["scalars"]["step"] == [2**63 - 1, -(2**63)]
+
+
+_wide_int = st.integers(-(2**63), 2**64 - 1)
+_typed = {
+    "int": st.none() | _wide_int | st.booleans(),
+    "real": st.none() | st.floats(allow_nan=False) | _wide_int | st.booleans(),
+    "text": st.none() | st.text(max_size=3) | st.integers(0, 3),
+}
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """Bodies near the fast path: known tables with most columns present, mostly well typed."""
+    tables: dict[str, Any] = {}
+    for name in draw(st.lists(st.sampled_from(sorted(TABLES)), max_size=3, unique=True)):
+        n = draw(st.integers(0, 4))
+        table: dict[str, Any] = {}
+        for col, kind in TABLES[name]:
+            if draw(st.integers(0, 9)) == 0:
+                continue  # a missing column
+            length = n if draw(st.integers(0, 19)) else n + 1  # now and then a ragged one
+            table[col] = draw(st.lists(_typed[kind], min_size=length, max_size=length))
+        tables[name] = table
+    return tables
+
+
+def _reference(tables: dict[str, Any]) -> dict[str, dict[str, list[Any]]] | None:
+    """What decode must return (None: a ProtocolError), from the rules stated in the module."""
+    allowed = {"int": (int, type(None)), "real": (int, float, type(None)), "text": (str, type(None))}
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, table in tables.items():
+        lengths = {len(v) for v in table.values()}
+        if len(lengths) > 1:
+            return None
+        for col, kind in TABLES[name]:
+            for v in table.get(col, []):
+                if type(v) not in allowed[kind]:
+                    return None
+                if type(v) is int and not -(2**63) <= v < 2**63:
+                    return None
+        n = lengths.pop() if lengths else 0
+        if n:
+            out[name] = {col: list(table.get(col, [None] * n)) for col in columns(name)}
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(_bodies())
+def test_fast_path_agrees_with_the_rules(tables: dict[str, Any]) -> None:
+    expected = _reference(tables)
+    try:
+        got = decode_body(_pack({"tables": tables}))
+    except ProtocolError:
+        assert expected is None
+        return
+    assert got == expected

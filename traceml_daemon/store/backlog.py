@@ -7,39 +7,49 @@ and transaction the fixed costs dominated. Instead each commit hands its
 columns to a ``StepBacklog`` (a list append per rank) and the whole backlog is
 folded once per history write, as one long run of steps per rank.
 
-Only the columns history reads are kept, and the writer folds early once the
-backlog holds ``IngestPolicy.history_backlog_rows`` rows, so its memory is
+The batches are kept whole (the decoded columns, shared with the live
+aggregates, never copied); the columns history reads are picked out by index
+once per fold. The writer folds early once the backlog holds ``IngestPolicy.history_backlog_rows`` rows, so its memory is
 bounded whatever the ingest rate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
-from traceml_daemon.ingest import RankState
+from traceml_daemon.ingest import TABLE_COLUMNS, RankState
 from traceml_daemon.store.schema import HISTORY_METRICS
+from traceml_wire.tables import Column
 
 HISTORY_COLUMNS = ("step", "ts", *(f"{m}_ns" for m in HISTORY_METRICS))
+# Where each history column sits in a step batch (``TABLE_COLUMNS["steps"]`` order).
+_HISTORY_INDEX = tuple(TABLE_COLUMNS["steps"].index(name) for name in HISTORY_COLUMNS)
+_PICK = itemgetter(*_HISTORY_INDEX)
 
 
 @dataclass
 class StepBacklog:
-    chunks: dict[int, list[dict[str, list[Any]]]] = field(default_factory=dict)  # rank_id -> columns, commit order
+    # rank_id -> its step batches in commit order, each the decoded columns as they
+    # are (schema order, read-only): queuing one is a list extend per rank and
+    # transaction, with no per-batch dict or copy.
+    chunks: dict[int, list[list[Column]]] = field(default_factory=dict)
     states: dict[int, RankState] = field(default_factory=dict)  # rank_id -> its latest identity
     rows: int = 0
 
-    def add(self, steps_by_rank: dict[int, list[dict[str, list[Any]]]], states: dict[int, RankState]) -> None:
-        """Queue one committed transaction's step batches (the lists are only read, never changed)."""
+    def add(self, steps_by_rank: dict[int, list[list[Column]]], states: dict[int, RankState]) -> None:
+        """Queue one committed transaction's step batches (only read, never changed)."""
+        chunks = self.chunks
         for rank_id, batches in steps_by_rank.items():
-            have = self.chunks.get(rank_id)
+            have = chunks.get(rank_id)
             if have is None:
-                have = self.chunks[rank_id] = []
-            for cols in batches:
-                kept = {name: cols[name] for name in HISTORY_COLUMNS}
-                have.append(kept)
-                self.rows += len(kept["step"])
+                chunks[rank_id] = list(batches)
+            else:
+                have += batches
+            self.rows += sum(len(cols[0]) for cols in batches)
             state = states.get(rank_id)
             if state is not None:
                 self.states[rank_id] = state
@@ -50,12 +60,15 @@ class StepBacklog:
         self.chunks, self.states, self.rows = {}, {}, 0
         return taken
 
-    def by_rank(self) -> dict[int, dict[str, list[Any]]]:
-        """rank_id -> its steps as one set of columns, in commit order."""
-        out: dict[int, dict[str, list[Any]]] = {}
+    def by_rank(self) -> dict[int, dict[str, Sequence[Any]]]:
+        """rank_id -> its steps as one set of history columns (read-only), in commit order."""
+        out: dict[int, dict[str, Sequence[Any]]] = {}
         for rank_id, chunks in self.chunks.items():
-            if len(chunks) == 1:
-                out[rank_id] = chunks[0]
-            else:
-                out[rank_id] = {name: list(chain.from_iterable(c[name] for c in chunks)) for name in HISTORY_COLUMNS}
+            if len(chunks) == 1:  # common with many ranks: the columns as they are, no copy
+                out[rank_id] = dict(zip(HISTORY_COLUMNS, _PICK(chunks[0]), strict=True))
+                continue
+            out[rank_id] = {
+                name: list(chain.from_iterable(map(itemgetter(i), chunks)))
+                for name, i in zip(HISTORY_COLUMNS, _HISTORY_INDEX, strict=True)
+            }
         return out

@@ -30,8 +30,9 @@ import math
 import sqlite3
 import statistics
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst
@@ -68,34 +69,41 @@ def merge_into(acc: Stats, other: Stats) -> None:
             acc[i + 3] += other[i + 3]
 
 
-def _stats_of(cols: dict[str, list[Any]], steps: list[int], idx: slice | list[int]) -> Stats:
+def _stats_of(cols: dict[str, Sequence[Any]], steps: Sequence[int], idx: slice | list[int]) -> Stats:
     """Stats of the rows ``idx`` selects (a slice when rows are in step order).
 
     Every figure is a C-level pass over a column slice (min, max, sum), so the
     cost is per bucket and metric, not per row."""
 
-    def pick(values: list[Any]) -> list[Any]:
+    def pick(values: Sequence[Any]) -> Sequence[Any]:
         return values[idx] if isinstance(idx, slice) else [values[i] for i in idx]
 
     ts = pick(cols["ts"])
-    if None in ts:
-        ts = [t for t in ts if t is not None]
     sel = pick(steps)
-    out: Stats = [len(sel), min(sel), max(sel), max(ts) if ts else None]
+    try:
+        last_ts = max(ts, default=None)
+    except TypeError:  # a None among numbers
+        last_ts = max((t for t in ts if t is not None), default=None)
+    out: Stats = [len(sel), min(sel), max(sel), last_ts]
     for name in _METRIC_COLS:
         values = pick(cols[name])
-        if None in values:  # "not measured" stays out of every figure
+        # sum() fails on any None ("not measured", which stays out of every figure):
+        # trying first saves a scan for None on every column of every bucket.
+        try:
+            total = sum(values)
+        except TypeError:
             values = [v for v in values if v is not None]
+            total = sum(values)
         if values:
-            out += [len(values), min(values), max(values), sum(values)]
+            out += [len(values), min(values), max(values), total]
         else:
             out += [0, None, None, 0]
     return out
 
 
-def _groups(steps: list[int], size: int) -> Iterable[tuple[int, slice | list[int]]]:
+def _groups(steps: Sequence[int], size: int) -> Iterable[tuple[int, slice | list[int]]]:
     """(bucket, rows) for the finest level; slices when steps arrive in order (the usual case)."""
-    if steps == sorted(steps):  # C-level; linear on sorted input
+    if list(steps) == sorted(steps):  # C-level; linear on sorted input (steps may be a tuple)
         # One bisect per bucket instead of a division per row.
         start, n = 0, len(steps)
         while start < n:
@@ -110,13 +118,14 @@ def _groups(steps: list[int], size: int) -> Iterable[tuple[int, slice | list[int
     yield from by.items()
 
 
-def bucket_deltas(steps_by_rank: dict[int, dict[str, list[Any]]]) -> dict[tuple[int, int, int], Stats]:
+def bucket_deltas(steps_by_rank: dict[int, dict[str, Sequence[Any]]]) -> dict[tuple[int, int, int], Stats]:
     """What this transaction's steps add to every (rank_id, level, bucket).
 
     Only the finest level is computed from rows, per bucket; a coarser level whose
     bucket holds all of the rank's rows (the usual case: a transaction carries a
-    few dozen steps per rank) takes the stats of the whole batch, computed once;
-    otherwise it merges the finest buckets (the levels nest).
+    few dozen steps per rank) takes the merged stats of the finest buckets, merged
+    once; otherwise each of its buckets merges the finest buckets it holds (the
+    levels nest).
     """
     out: dict[tuple[int, int, int], Stats] = {}
     fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
@@ -139,7 +148,11 @@ def bucket_deltas(steps_by_rank: dict[int, dict[str, list[Any]]]) -> dict[tuple[
         for level in coarse:
             if lo // level == hi // level:
                 if whole is None:
-                    whole = _stats_of(cols, steps, slice(None))
+                    # Merging the fine buckets' stats costs a few operations per bucket;
+                    # another min/max/sum pass over every column cost several per row.
+                    whole = list(fine_stats[0][1])
+                    for _, stats in fine_stats[1:]:
+                        merge_into(whole, stats)
                 out[(rank_id, level, lo // level)] = list(whole)
                 continue
             for bucket, stats in fine_stats:
@@ -281,7 +294,7 @@ class Reservoir:
             return 1
         return int(math.log(u) / math.log1p(-w)) + 1
 
-    def offer(self, rank_id: int, cols: dict[str, list[Any]], update: ReservoirUpdate) -> None:
+    def offer(self, rank_id: int, cols: dict[str, Sequence[Any]], update: ReservoirUpdate) -> None:
         steps = cols["step"]
         n = len(steps)
         if n == 0:
@@ -296,9 +309,11 @@ class Reservoir:
         rows = update.rows
         start = state.seen
         fill = max(0, min(n, k - start))
-        if fill:  # filling: every point enters, rows built column-wise
-            for slot, values in enumerate(zip(*(c[:fill] for c in columns), strict=True), start):
-                rows[(rank_id, slot)] = (rank_id, slot, *values)
+        if fill:  # filling: every point enters, keys and rows built column-wise in C
+            slots = range(start, start + fill)
+            keys = zip(repeat(rank_id, fill), slots, strict=True)
+            values = zip(repeat(rank_id, fill), slots, *(c[:fill] for c in columns), strict=True)
+            rows.update(zip(keys, values, strict=True))
         if start + n > k:
             if state.w == 0.0:  # the sample just filled (or was backfilled by a migration)
                 begin = max(start, k)

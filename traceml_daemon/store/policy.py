@@ -34,6 +34,9 @@ class IngestPolicy:
     # a core, with a full collection at ~90 ms). Raised, young collections are
     # rarer and full ones, whose cost grows with the heap, rarer still.
     gc_young_threshold: int = 20_000
+    # Cleaned rbatch peer identities cached per connection (a relay repeats each of its
+    # agents' identities in every rbatch); past this many senders the cache starts over.
+    identity_cache_entries: int = 65_536
 
 
 DEFAULT_POLICY = IngestPolicy()

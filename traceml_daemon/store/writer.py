@@ -127,6 +127,20 @@ def multi_row(parts: history.SqlParts, flat: Sequence[Any], nrows: int) -> list[
     return out
 
 
+def multi_row_columns(parts: history.SqlParts, cols: Sequence[Sequence[Any]], nrows: int) -> list[Statement]:
+    """Like ``multi_row``, from ``cols`` (``width`` columns of ``nrows`` values each).
+
+    The row-major parameters are built by one extended-slice assignment per column
+    (``flat[j::width] = column``), a strided copy in C: no tuple or step per row. (Binding
+    the columns as they are, through numbered ``?NNN`` parameters, would skip this copy,
+    but sqlite executed those statements 2.5x slower, measured.)"""
+    width = parts[2]
+    flat: list[Any] = [None] * (nrows * width)
+    for j, col in enumerate(cols):
+        flat[j::width] = col
+    return multi_row(parts, flat, nrows)
+
+
 def multi_row_tuples(parts: history.SqlParts, rows: Iterable[tuple[Any, ...]]) -> list[Statement]:
     flat = list(chain.from_iterable(rows))
     return multi_row(parts, flat, len(flat) // parts[2])
@@ -343,7 +357,7 @@ class StoreWriter:
         log.info("history caught up on %d ranks' unfolded steps", len(by_rank))
         await self._flush_history_now()
 
-    def _fold_history(self, steps_by_rank: dict[int, dict[str, list[Any]]], states: dict[int, RankState]) -> None:
+    def _fold_history(self, steps_by_rank: dict[int, dict[str, Sequence[Any]]], states: dict[int, RankState]) -> None:
         """Add committed steps to the pending history (pure CPU, nothing written)."""
         pending = self.pending_history
         deltas = history.bucket_deltas(steps_by_rank)
@@ -491,8 +505,8 @@ class StoreWriter:
             statements += multi_row_tuples(_RANK_PARTS, plan.ranks.values())
         if plan.rank_touches:
             statements += multi_row_tuples(_RANK_TOUCH_PARTS, plan.rank_touches)
-        for table, flat in plan.flat.items():
-            statements += multi_row(_TABLE_PARTS[table], flat, plan.row_counts[table])
+        for table, cols in plan.columns.items():
+            statements += multi_row_columns(_TABLE_PARTS[table], cols, plan.row_counts[table])
         return Staged(work, taken_bytes, plan, statements)
 
     async def write(self, work: list[WorkItem]) -> bool:
@@ -544,13 +558,12 @@ class StoreWriter:
             by_id = {s.rank_id: s for s in plan.high_water.values()}
             self.backlog.add(plan.steps_by_rank, by_id)
             if self.aggregates is not None:
+                # One call per rank and transaction: its batches are kept as they are.
+                add = self.aggregates.add_batches
                 for rank_id, batches in plan.steps_by_rank.items():
                     state = by_id.get(rank_id)
-                    for cols in batches:
-                        self.aggregates.add_steps(
-                            rank_id,
-                            cols,
-                            global_rank=state.global_rank if state else None,
-                            node_rank=state.node_rank if state else None,
-                        )
+                    if state is None:
+                        add(rank_id, batches)
+                    else:
+                        add(rank_id, batches, global_rank=state.global_rank, node_rank=state.node_rank)
         return True
