@@ -18,6 +18,11 @@ same step rows into the same schema (one transaction per batch of rows, WAL).
 
     python bench/ingest.py                    # R = 64, 1024, 4096
     python bench/ingest.py --ranks 64 --seconds 5
+    python bench/ingest.py --ranks 4096 --modes paced --relays 64 --seconds 60
+
+Paced cases also print the daemon's RSS every ``--rss-every`` seconds, split
+into anonymous and file-backed memory (``/proc/PID/smaps_rollup``): a number
+still rising at the end of a run is growth, not a peak.
 
 Ends with one JSON line holding every figure.
 """
@@ -225,7 +230,24 @@ def sqlite_baseline(total_rows: int, tmp: Path) -> float:
     return total_rows / elapsed
 
 
-def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) -> dict:
+def _rss_split(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident MB of ``pid``: heap growth shows up as
+    anonymous memory, sqlite's mmap or page cache of a mapped file as file-backed."""
+    anon = file = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "Anonymous":
+                    anon = int(rest.split()[0])
+                elif key == "Rss":
+                    file = int(rest.split()[0])
+    except OSError:
+        return 0.0, 0.0
+    return anon / 1024, max(0, file - anon) / 1024
+
+
+def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rss_every: float = 10.0) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -258,12 +280,18 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) ->
         w.start()
     peak_rss = 0
     results = []
+    timeline: list[tuple[float, float, float, float]] = []  # (s, rss MB, anon MB, file MB)
+    next_sample = start + rss_every
     while len(results) < relays:
         try:
             results.append(out.get(timeout=0.25))
         except Exception:
             pass
-        peak_rss = max(peak_rss, proc.memory_info().rss)
+        rss = proc.memory_info().rss
+        peak_rss = max(peak_rss, rss)
+        if time.monotonic() >= next_sample:
+            next_sample += rss_every
+            timeline.append((time.monotonic() - start, rss / 2**20, *_rss_split(daemon.pid)))
     end = max(r["done_at"] for r in results)
     cpu1 = proc.cpu_times()
     for w in workers:
@@ -281,7 +309,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int) ->
         "latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
         "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
         "daemon_cpu_pct": 100 * cpu_s / elapsed, "daemon_peak_rss_mb": peak_rss / 2**20,
-        "tmp": str(tmp),
+        "rss_timeline": timeline, "tmp": str(tmp),
     }
 
 
@@ -291,15 +319,18 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="sending time per case")
     p.add_argument("--window", type=int, default=4, help="unacknowledged rbatches per relay (throughput mode)")
     p.add_argument("--modes", nargs="*", default=["throughput", "paced"], choices=["throughput", "paced"])
+    p.add_argument("--relays", type=int, default=None,
+                   help="relays per case (default R/8; DESIGN.md's 4096-rank scenario is 64)")
+    p.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples (paced)")
     args = p.parse_args()
     figures: dict[str, float | None] = {}
     for ranks in args.ranks:
-        relays = max(1, ranks // 8)
+        relays = min(ranks, args.relays) if args.relays else max(1, ranks // 8)
         for mode in args.modes:
             if mode == "throughput":
                 before = sqlite_baseline(SQLITE_PROBE_ROWS, Path(tempfile.mkdtemp(prefix="traceml-base-")))
-            r = run_case(ranks, relays, mode, args.seconds, args.window)
-            tag = f"r{ranks}_{mode}"
+            r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every)
+            tag = f"r{ranks}_k{relays}_{mode}" if args.relays else f"r{ranks}_{mode}"
             if mode == "throughput":
                 # The machine is shared: measure the baseline right before and right
                 # after the case and divide by the faster, so a quiet moment for the
@@ -317,8 +348,13 @@ def main() -> None:
                 print(f"R={ranks:5d} K={relays:4d} paced 1 flush/s/rank: {r['rows_per_s']:,.0f} step rows/s; "
                       f"daemon CPU {r['daemon_cpu_pct']:.0f}% of one core, peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
                       f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms")
-                figures.update({f"{tag}_cpu_pct": r["daemon_cpu_pct"], f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
-                                f"{tag}_p99_ms": r["latency_p99_ms"]})
+                print("  RSS over time (s: total MB = anon + file): " + ", ".join(
+                    f"{t:.0f}: {rss:.0f} = {anon:.0f} + {file:.0f}" for t, rss, anon, file in r["rss_timeline"]))
+                tl = r["rss_timeline"]
+                figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_cpu_pct": r["daemon_cpu_pct"],
+                                f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
+                                f"{tag}_end_rss_mb": tl[-1][1] if tl else None,
+                                f"{tag}_p50_ms": r["latency_p50_ms"], f"{tag}_p99_ms": r["latency_p99_ms"]})
     print(json.dumps(figures))
 
 

@@ -149,6 +149,10 @@ class Ingestor:
         # is that same object needs only its dedup mark updated.
         self._committed: dict[str, _RankTemplate] = {}
 
+    def statistics(self) -> dict[str, int]:
+        """How many senders each long-lived map holds (memory diagnosis)."""
+        return {"known": len(self.known), "pending": len(self.pending), "templates": len(self._templates)}
+
     def last_seq(self, sender: str) -> int:
         state = self.known.get(sender)
         return state.last_seq if state else 0

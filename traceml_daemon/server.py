@@ -107,17 +107,33 @@ class DaemonServer:
                 print(f"listening on {self.config.host}:{port}", flush=True)
                 log.info("listening on %s:%d (db %s)", self.config.host, port, self.config.db_path)
                 writer_task = tg.create_task(self.writer.run(self.queue))
+                memdebug = self._start_memdebug(tg)
                 await stop.wait()
                 log.info("stopping: draining %d queued batches", len(self.queue))
                 server.close()
                 await self.queue.close()  # handlers blocked in put() give up; those batches were never acked
                 await writer_task
+                if memdebug is not None:
+                    memdebug.cancel()
                 # Handlers are parked on reads; end them now that nothing more can be stored.
                 for task in list(self._conns):
                     task.cancel()
         finally:
             self._tg = None
             await self.writer.close()
+
+    def _start_memdebug(self, tg: asyncio.TaskGroup) -> asyncio.Task[None] | None:
+        """The memory report of ``memdebug`` when ``TRACEML_DEBUG_MEM`` asks for it."""
+        from traceml_daemon import memdebug
+
+        interval = memdebug.interval_from_env()
+        if interval is None:
+            return None
+
+        def sizes() -> dict[str, int]:
+            return {**self.writer.statistics(), "queue_bytes": self.queue.bytes_held, "conns": self._active}
+
+        return tg.create_task(memdebug.report_forever(interval, sizes))
 
     async def _start_metrics(self, server: asyncio.Server) -> asyncio.Server | None:
         """The optional /metrics endpoint, bound before the TaskGroup (a busy port stays a plain OSError)."""

@@ -416,6 +416,13 @@ class StoreWriter:
             return
         self._history_written(head, True)
 
+    def statistics(self) -> dict[str, int]:
+        """Sizes of what the writer keeps between transactions (memory diagnosis)."""
+        return {
+            **self.ingestor.statistics(), "backlog_rows": self.backlog.rows,
+            "history_ranks": len(self.pending_history.ranks), "reservoir_ranks": len(self.reservoir.states),
+        }
+
     async def close(self) -> None:
         if self._db is not None:
             await self.write([])  # persist the final counters
