@@ -1,5 +1,6 @@
-"""A v1 database (no history tables) migrates forward: history is backfilled
-from its raw steps and the writer carries on where it stopped."""
+"""Older databases migrate forward: a v1 database (no history tables) gets its
+history backfilled from raw steps, a v2 database keeps every history row under
+the v3 keys, and the writer carries on where it stopped."""
 
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ def _v1_database(db: Path) -> None:
     conn.close()
 
 
-def test_v1_migrates_to_v2_with_history_backfilled(tmp_path: Path) -> None:
+def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
-    assert SCHEMA_VERSION == 2
-    assert migrate(str(db)) == 2
+    assert SCHEMA_VERSION == 3
+    assert migrate(str(db)) == 3
     conn = ro(db)
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
     for level in HISTORY_LEVELS:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))
@@ -64,3 +65,33 @@ def test_writer_continues_a_migrated_database(tmp_path: Path) -> None:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     assert conn.execute("SELECT step FROM reservoir WHERE rank_id=1 AND slot=?", (LATEST_SLOT,)).fetchone() == (2099,)
     assert conn.execute("SELECT seen FROM reservoir_state WHERE rank_id=1").fetchone() == (2100,)
+
+
+def _dump(conn: sqlite3.Connection, table: str) -> list[tuple[object, ...]]:
+    cols = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+    return sorted(conn.execute(f"SELECT {', '.join(sorted(cols))} FROM {table}").fetchall(), key=repr)
+
+
+def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
+    db = tmp_path / "v2.db"
+    _v1_database(db)
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statement in MIGRATIONS[1]:  # exactly what traceml-daemon 2 ran
+        conn.execute(statement)
+    conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    before = {t: _dump(conn, t) for t in ("rank_history", "node_history", "reservoir", "reservoir_state")}
+    conn.close()
+    assert all(before.values())
+    assert migrate(str(db)) == 3
+    conn = ro(db)
+    assert {t: _dump(conn, t) for t in before} == before
+    keys = {
+        t: [r[2] for r in sorted(conn.execute(f"PRAGMA index_xinfo('sqlite_autoindex_{t}_1')")) if r[5]]
+        for t in ("rank_history", "node_history", "reservoir")
+    }
+    assert keys == {
+        "rank_history": ["level", "bucket", "rank_id"],
+        "node_history": ["session", "attempt", "level", "bucket", "node_rank"],
+        "reservoir": ["slot", "rank_id"],
+    }
+    conn.close()
