@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
 from traceml_daemon.store import history
+from traceml_daemon.store.policy import IngestPolicy
 from traceml_daemon.store.schema import HISTORY_LEVELS, LATEST_SLOT, RESERVOIR_SIZE
 from traceml_daemon.store.writer import StoreWriter
 
@@ -161,3 +162,14 @@ def test_a_history_write_dirties_pages_by_level_not_by_rank(tmp_path: Path) -> N
     # 128 ranks x 3 levels of ~250-byte rows and 128 latest points fill ~30 pages; a
     # page per rank would be >= 128 for the finest level alone.
     assert 0 < frames < len(ranks) // 2, frames
+
+
+def test_history_interval_stretches_with_ranks_up_to_its_max() -> None:
+    policy = IngestPolicy()
+    assert policy.history_interval_for(0) == policy.history_interval == 1.0
+    assert policy.history_interval_for(1024) == 1.0
+    assert policy.history_interval_for(2048) == 2.0
+    assert policy.history_interval_for(4096) == policy.history_interval_max == 4.0
+    assert policy.history_interval_for(1_000_000) == 4.0
+    # A longer base interval (tests: "only when forced") is never shortened.
+    assert IngestPolicy(history_interval=3600.0).history_interval_for(4096) == 3600.0

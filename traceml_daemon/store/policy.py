@@ -23,6 +23,12 @@ class IngestPolicy:
     # History (buckets, node buckets, reservoir) is folded and written at most this
     # often: raw rows are the acknowledged data, history may lag by this much.
     history_interval: float = 1.0
+    # ... and less often with many ranks: a write costs per rank (three bucket rows
+    # and a reservoir point to upsert, a fold set up per rank), so at 4096 ranks one
+    # write a second was ~4% of a core of the daemon's ~57% (measured, bench/ingest.py
+    # 4096 ranks behind 64 relays). One second more per this many ranks, up to the max.
+    history_ranks_per_second: int = 1024
+    history_interval_max: float = 4.0
     # ... or sooner once this many committed step rows wait to be folded, which
     # bounds the backlog's memory (9 columns per row) at any ingest rate.
     history_backlog_rows: int = 65_536
@@ -37,6 +43,12 @@ class IngestPolicy:
     # Cleaned rbatch peer identities cached per connection (a relay repeats each of its
     # agents' identities in every rbatch); past this many senders the cache starts over.
     identity_cache_entries: int = 65_536
+
+
+    def history_interval_for(self, ranks: int) -> float:
+        """Seconds between history writes with ``ranks`` ranks known."""
+        stretched = min(self.history_interval_max, ranks / self.history_ranks_per_second)
+        return max(self.history_interval, stretched)
 
 
 DEFAULT_POLICY = IngestPolicy()

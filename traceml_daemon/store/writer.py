@@ -20,8 +20,9 @@ Two things keep a 2-core machine fed:
 After COMMIT the writer acks first, then only queues the committed steps:
 their columns go to the history backlog (``store/backlog.py``) and to the
 live aggregates, both O(1) per rank. History (``store/history.py``) is folded
-from the backlog and written at most every ``history_interval`` seconds (or
-once the backlog holds ``history_backlog_rows`` rows, and at close), at the
+from the backlog and written every ``history_interval`` seconds, up to a few
+seconds with thousands of ranks (``IngestPolicy.history_interval_for``), or
+once the backlog holds ``history_backlog_rows`` rows, and at close, at the
 head of a row transaction; the fold runs on the database thread just before
 that transaction, so a second's worth of folding never stalls the event loop
 in one piece. Raw rows stay the acknowledged, durable data; history may lag by
@@ -281,7 +282,6 @@ class StoreWriter:
         self.coalesce_s = self.policy.coalesce_s
         self.ingestor = Ingestor()
         self.reservoir = history.Reservoir()
-        self.history_interval = self.policy.history_interval
         # Committed steps not folded yet, and history folded but not written yet
         # (a failed write keeps it for the next one).
         self.backlog = StepBacklog()
@@ -398,7 +398,8 @@ class StoreWriter:
         if head is None:
             return
         if ok:
-            self._history_due = time.monotonic() + self.history_interval
+            interval = self.policy.history_interval_for(len(self.ingestor.known))
+            self._history_due = time.monotonic() + interval
             self.pending_history = PendingHistory()
         # Not written: what was folded stays pending, ahead of anything folded later.
 
