@@ -22,7 +22,9 @@ same step rows into the same schema (one transaction per batch of rows, WAL).
 
 Paced cases also print the daemon's RSS every ``--rss-every`` seconds, split
 into anonymous and file-backed memory (``/proc/PID/smaps_rollup``): a number
-still rising at the end of a run is growth, not a peak.
+still rising at the end of a run is growth, not a peak. They print the daemon's
+CPU per interval too: a rank's first 256 steps all enter its history reservoir,
+so the first ~26 s of a 10 steps/s run cost more than a long run's steady state.
 
 Ends with one JSON line holding every figure.
 """
@@ -280,7 +282,9 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
         w.start()
     peak_rss = 0
     results = []
-    timeline: list[tuple[float, float, float, float]] = []  # (s, rss MB, anon MB, file MB)
+    # (s, rss MB, anon MB, file MB, daemon CPU % of one core since the previous sample)
+    timeline: list[tuple[float, float, float, float, float]] = []
+    cpu_prev, t_prev = cpu0.user + cpu0.system, start
     next_sample = start + rss_every
     while len(results) < relays:
         try:
@@ -291,7 +295,11 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
         peak_rss = max(peak_rss, rss)
         if time.monotonic() >= next_sample:
             next_sample += rss_every
-            timeline.append((time.monotonic() - start, rss / 2**20, *_rss_split(daemon.pid)))
+            now, cpu = time.monotonic(), proc.cpu_times()
+            cpu_now = cpu.user + cpu.system
+            pct = 100 * (cpu_now - cpu_prev) / (now - t_prev)
+            timeline.append((now - start, rss / 2**20, *_rss_split(daemon.pid), pct))
+            cpu_prev, t_prev = cpu_now, now
     end = max(r["done_at"] for r in results)
     cpu1 = proc.cpu_times()
     for w in workers:
@@ -349,7 +357,9 @@ def main() -> None:
                       f"daemon CPU {r['daemon_cpu_pct']:.0f}% of one core, peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
                       f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms")
                 print("  RSS over time (s: total MB = anon + file): " + ", ".join(
-                    f"{t:.0f}: {rss:.0f} = {anon:.0f} + {file:.0f}" for t, rss, anon, file in r["rss_timeline"]))
+                    f"{t:.0f}: {rss:.0f} = {anon:.0f} + {file:.0f}" for t, rss, anon, file, _ in r["rss_timeline"]))
+                print("  daemon CPU % of one core per interval (s: %): " + ", ".join(
+                    f"{t:.0f}: {pct:.0f}" for t, _, _, _, pct in r["rss_timeline"]))
                 tl = r["rss_timeline"]
                 figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_cpu_pct": r["daemon_cpu_pct"],
                                 f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
