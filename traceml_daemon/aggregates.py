@@ -184,14 +184,7 @@ class Aggregates:
     def add_steps(
         self, rank_id: int, cols: dict[str, list[Any]], *, global_rank: int | None = None, node_rank: int | None = None
     ) -> None:
-        rank = self._ranks.get(rank_id)
-        if rank is None:
-            rank = self._ranks[rank_id] = RankWindow(rank_id, window=self.window)
-        if global_rank is not None:
-            rank.global_rank = global_rank
-        if node_rank is not None:
-            rank.node_rank = node_rank
-        rank.push(cols)
+        self._window(rank_id, global_rank, node_rank).push(cols)
 
     def add_batches(
         self,
@@ -203,6 +196,10 @@ class Aggregates:
     ) -> None:
         """Like ``add_steps`` for decoded step batches (columns in ``STEP_COLUMNS`` order):
         the writer's path, one call per rank and transaction."""
+        self._window(rank_id, global_rank, node_rank).push_batches(batches)
+
+    def _window(self, rank_id: int, global_rank: int | None, node_rank: int | None) -> RankWindow:
+        """The rank's window (created on first sight), its identity updated where known."""
         rank = self._ranks.get(rank_id)
         if rank is None:
             rank = self._ranks[rank_id] = RankWindow(rank_id, window=self.window)
@@ -210,7 +207,7 @@ class Aggregates:
             rank.global_rank = global_rank
         if node_rank is not None:
             rank.node_rank = node_rank
-        rank.push_batches(batches)
+        return rank
 
     def snapshot(self) -> list[RankSnapshot]:
         """Medians of every rank's current window, ordered by global rank."""
