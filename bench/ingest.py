@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from traceml_daemon import memdebug  # noqa: E402
 from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS  # noqa: E402
 from traceml_wire import FrameDecoder, encode_frame, unpack_message  # noqa: E402
 from traceml_wire import messages as m  # noqa: E402
@@ -232,23 +233,6 @@ def sqlite_baseline(total_rows: int, tmp: Path) -> float:
     return total_rows / elapsed
 
 
-def _rss_split(pid: int) -> tuple[float, float]:
-    """(anonymous, file-backed) resident MB of ``pid``: heap growth shows up as
-    anonymous memory, sqlite's mmap or page cache of a mapped file as file-backed."""
-    anon = file = 0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key == "Anonymous":
-                    anon = int(rest.split()[0])
-                elif key == "Rss":
-                    file = int(rest.split()[0])
-    except OSError:
-        return 0.0, 0.0
-    return anon / 1024, max(0, file - anon) / 1024
-
-
 def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rss_every: float = 10.0) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
     port = _free_port()
@@ -298,7 +282,8 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
             now, cpu = time.monotonic(), proc.cpu_times()
             cpu_now = cpu.user + cpu.system
             pct = 100 * (cpu_now - cpu_prev) / (now - t_prev)
-            timeline.append((now - start, rss / 2**20, *_rss_split(daemon.pid), pct))
+            anon_kib, file_kib = memdebug.rss_split(daemon.pid)
+            timeline.append((now - start, rss / 2**20, anon_kib / 1024, file_kib / 1024, pct))
             cpu_prev, t_prev = cpu_now, now
     end = max(r["done_at"] for r in results)
     cpu1 = proc.cpu_times()

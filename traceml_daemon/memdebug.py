@@ -76,11 +76,13 @@ def interval_from_env(environ: Mapping[str, str] = os.environ) -> float | None:
     return interval
 
 
-def rss_split() -> tuple[int, int]:
-    """(anonymous, file-backed) resident KiB of this process; (0, 0) off Linux."""
+def rss_split(pid: int | str = "self") -> tuple[int, int]:
+    """(anonymous, file-backed) resident KiB of process ``pid``; (0, 0) off Linux or
+    once the process is gone. Heap growth shows as anonymous memory, sqlite's
+    mapped or cached file pages as file-backed."""
     anon = rss = 0
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
                 key, _, rest = line.partition(":")
                 if key == "Anonymous":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,16 @@ def test_rss_split_reads_this_process() -> None:
     info = memdebug.mallinfo()
     if info is not None:  # glibc >= 2.33
         assert info["in_use"] > 0 and set(info) == {"arena", "mmapped", "in_use", "free"}
+
+
+def test_rss_split_reads_another_process_and_a_gone_one_reads_zero() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = b'x' * (64 << 20); sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        wait_for(lambda: memdebug.rss_split(child.pid)[0] > 60 * 1024, 30, what="the child's 64 MiB")
+    finally:
+        child.communicate(b"")
+    assert memdebug.rss_split(child.pid) == (0, 0)
 
 
 def test_report_logs_sizes_and_with_tracing_the_sites_that_grew(
