@@ -44,7 +44,6 @@ class IngestPolicy:
     # agents' identities in every rbatch); past this many senders the cache starts over.
     identity_cache_entries: int = 65_536
 
-
     def history_interval_for(self, ranks: int) -> float:
         """Seconds between history writes with ``ranks`` ranks known."""
         stretched = min(self.history_interval_max, ranks / self.history_ranks_per_second)

@@ -148,18 +148,19 @@ def _v2() -> list[str]:
     return statements
 
 
-
 # ------------------------------------------- v3: history clustered by write time
 # One history write upserts the current bucket of every rank at every level (and
 # every rank's latest reservoir point). Keyed rank first, those rows sat on a
-# different page per rank: at 4096 ranks each write dirtied ~16,000 pages, 57 MB
-# of WAL a second (measured, bench/ingest.py) for ~2 MB of rows. Keyed by what a
-# write has in common (level, bucket; the slot) the rows of one write sit side
-# by side, a few hundred pages. Readers ask for whole levels (every rank of the
-# run), a prefix of the new keys.
+# different page per rank: at 4096 ranks a write dirtied a page per rank and
+# level, about half of the daemon's 112 MB/s of disk writes (bench/ingest.py,
+# /proc/PID/io) for ~2 MB of rows. Keyed by what a write has in common (level,
+# bucket; the slot) the rows of one write sit side by side, a few hundred pages.
+# Readers ask for whole levels (every rank of the run), a prefix of the new keys.
+
 
 def _rekey(table: str, columns_ddl: str, key: str) -> list[str]:
-    """Rebuild ``table`` (WITHOUT ROWID) under a new primary key, keeping its rows."""
+    """Rebuild ``table`` (WITHOUT ROWID) under a new primary key, keeping its rows
+    (``columns_ddl`` lists the columns in the table's order: rows copy by position)."""
     return [
         f"CREATE TABLE {table}_rekeyed ({columns_ddl}, PRIMARY KEY ({key})) WITHOUT ROWID",
         f"INSERT INTO {table}_rekeyed SELECT * FROM {table}",
