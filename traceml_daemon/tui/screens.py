@@ -243,7 +243,9 @@ class OverviewScreen(Screen[None]):
         state = "live" if h.live else "finished"
         head = Text()
         head.append(f"{h.session}", style="bold")
-        head.append(f"  {h.nnodes} nodes × {h.world_size} ranks  {h.parallelism}  ")
+        # "2 nodes × 4 ranks" read as 8 ranks: say the world size, then where it runs.
+        nodes = "1 node" if h.nnodes == 1 else f"{h.nnodes} nodes"
+        head.append(f"  {h.world_size} ranks on {nodes}  {h.parallelism}  ")
         head.append(f"step {h.latest_step if h.latest_step is not None else ABSENT}", style="bold")
         if h.history and h.first_step:
             # Only when the run's start is not step 0 (a resumed run): the header must fit 80 columns.

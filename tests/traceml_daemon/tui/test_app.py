@@ -34,7 +34,7 @@ async def test_overview_drill_down_and_back(tui_db: str) -> None:
         await settle(pilot)
         assert isinstance(app.screen, OverviewScreen)
         header = _text(app.screen, "#header")
-        assert "run-synth" in header and "2 nodes × 4 ranks" in header and "step 199" in header
+        assert "run-synth" in header and "4 ranks on 2 nodes" in header and "step 199" in header
         nodes = app.screen.query_one("#nodes", DataTable)
         ranks = app.screen.query_one("#ranks", DataTable)
         assert nodes.row_count == 2 and ranks.row_count == 4
