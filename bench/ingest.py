@@ -23,8 +23,10 @@ same step rows into the same schema (one transaction per batch of rows, WAL).
 Paced cases also print the daemon's RSS every ``--rss-every`` seconds, split
 into anonymous and file-backed memory (``/proc/PID/smaps_rollup``): a number
 still rising at the end of a run is growth, not a peak. They print the daemon's
-CPU per interval too: a rank's first 256 steps all enter its history reservoir,
-so the first ~26 s of a 10 steps/s run cost more than a long run's steady state.
+CPU per interval too: at 4096 ranks it rises over the first ~40 s (measured 43%
+-> 64%: once every rank's tail of each per-rank index sits on a page of its own,
+each commit writes a page per rank and index), so a short run's average
+understates the steady state; read the late intervals.
 
 Ends with one JSON line holding every figure.
 """
