@@ -26,7 +26,8 @@ class IngestPolicy:
     # ... and less often with many ranks: a write costs per rank (three bucket rows
     # and a reservoir point to upsert, a fold set up per rank), so at 4096 ranks one
     # write a second was ~4% of a core of the daemon's ~57% (measured, bench/ingest.py
-    # 4096 ranks behind 64 relays). One second more per this many ranks, up to the max.
+    # 4096 ranks behind 64 relays). One second per this many ranks, at least
+    # history_interval, at most history_interval_max.
     history_ranks_per_second: int = 1024
     history_interval_max: float = 4.0
     # ... or sooner once this many committed step rows wait to be folded, which
