@@ -317,9 +317,4 @@ def _concat(chunks: list[tuple[int, list[Column]]]) -> tuple[list[list[Any]], in
     return out, len(rank_ids)
 
 
-def insert_sql(table: str) -> str:
-    cols = ("rank_id", *columns(table))
-    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
-
-
 TELEMETRY_TABLES = tuple(TABLES)

@@ -79,6 +79,11 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
     for statement in MIGRATIONS[1]:  # exactly what traceml-daemon 2 ran
         conn.execute(statement)
     conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    # v2 appended a status row per flush; out of ts order once (a resend).
+    conn.executemany(
+        "INSERT INTO status (rank_id, ts, phase, steps_done, finished) VALUES (?, ?, ?, ?, ?)",
+        [(1, 10.0, "forward", 1, 0), (1, 12.0, "idle", 3, 1), (1, 11.0, "backward", 2, 0), (2, 10.0, "wait", 1, 0)],
+    )
     before = {t: _dump(conn, t) for t in ("rank_history", "node_history", "reservoir", "reservoir_state")}
     conn.close()
     assert all(before.values())
@@ -94,4 +99,12 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
         "node_history": ["session", "attempt", "level", "bucket", "node_rank"],
         "reservoir": ["slot", "rank_id"],
     }
+    # status: each rank's newest row only, and one row per rank from now on.
+    assert conn.execute("SELECT rank_id, ts, phase, finished FROM status ORDER BY rank_id").fetchall() == [
+        (1, 12.0, "idle", 1), (2, 10.0, "wait", 0)
+    ]
+    unique = [r for r in conn.execute("PRAGMA index_list('status')") if r[2]]
+    assert [(r[1], [c[2] for c in conn.execute(f"PRAGMA index_info('{r[1]}')")]) for r in unique] == [
+        ("status_one_per_rank", ["rank_id"])
+    ]
     conn.close()

@@ -1,4 +1,4 @@
-"""Retention deletes the oldest raw rows (by age, by size) and keeps history."""
+"""Retention deletes the oldest raw rows (by age, by size) and keeps history and each rank's last status."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import asyncio
 import time
 from pathlib import Path
 
-from tests.traceml_daemon.history_support import batch, ro
+from tests.traceml_daemon.history_support import RELAY, batch, random_steps, ro
+from tests.traceml_daemon.wire_client import agent_sender
 from traceml_daemon.store.retention import RetentionPolicy
-from traceml_daemon.store.writer import StoreWriter
+from traceml_daemon.store.writer import StoreWriter, WorkItem
+from traceml_wire.tables import encode_body
 
 
 def _history(db: Path) -> list[tuple[object, ...]]:
@@ -71,3 +73,29 @@ def test_size_retention_deletes_oldest_until_under_the_cap(tmp_path: Path) -> No
     assert conn.execute("SELECT max(step) FROM steps").fetchone()[0] == 19_999
     assert first > 0
     assert conn.execute("SELECT sum(n) FROM rank_history WHERE level=16384").fetchone()[0] == 80_000
+
+
+def test_age_retention_keeps_each_ranks_last_status(tmp_path: Path) -> None:
+    """status holds one row per rank (its last word, e.g. finished): not a time series to trim."""
+    db = tmp_path / "status.db"
+    old_ts = time.time() - 10 * 86400
+    sender = agent_sender("s1", 0)
+    body = encode_body({
+        "steps": random_steps(0, 0, 100, 0, ts0=old_ts),
+        "status": {"ts": [old_ts], "phase": ["idle"], "phase_since": [old_ts], "step": [99], "steps_done": [100],
+                   "finished": [1]},
+    })
+
+    async def go() -> int:
+        writer = StoreWriter(str(db), retention=RetentionPolicy(max_age_s=7 * 86400, chunk_rows=500, max_chunks=10))
+        await writer.open()
+        assert await writer.write([WorkItem(RELAY, "s1", 1, [[sender, 1, body]], {sender: {"global_rank": 0}}, {}, {})])
+        deleted = await writer.enforce_retention()
+        await writer.close()
+        return deleted
+
+    assert asyncio.run(go()) == 100  # the old steps went
+    conn = ro(db)
+    assert conn.execute("SELECT count(*) FROM steps").fetchone() == (0,)
+    assert conn.execute("SELECT steps_done, finished FROM status").fetchall() == [(100, 1)]
+    conn.close()

@@ -168,3 +168,36 @@ def test_integer_beyond_int64_is_a_bad_body_not_a_failed_transaction(tmp_path: P
     huge = encode_body({"steps": {"step": [1], "step_ns": [2**64 - 1]}})
     writer = asyncio.run(write_all(db, [item(1, [[A0, 1, huge], [A1, 1, steps_body(0, 2)]])]))
     assert (writer.counters.bad_bodies, writer.counters.rows_stored) == (1, 2)
+
+
+def _status_body(t: float, phase: str, steps_done: int, finished: int = 0) -> bytes:
+    return encode_body({"status": {"ts": [t], "phase": [phase], "phase_since": [t], "step": [steps_done],
+                                   "steps_done": [steps_done], "finished": [finished]}})
+
+
+def test_status_keeps_each_ranks_newest_row_under_a_rising_rowid(tmp_path: Path) -> None:
+    db = tmp_path / "st.db"
+    # Two flushes of A0 in one transaction, one of A1, then A0's last word in another.
+    asyncio.run(write_all(
+        db,
+        [item(1, [[A0, 1, _status_body(10.0, "forward", 1)], [A0, 2, _status_body(11.0, "backward", 2)],
+                  [A1, 1, _status_body(10.5, "wait", 1)]])],
+        [item(2, [[A0, 3, _status_body(12.0, "idle", 3, finished=1)]])],
+    ))
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    rows = conn.execute("SELECT rowid, rank_id, ts, phase, steps_done, finished FROM status ORDER BY rank_id").fetchall()
+    assert [r[1:] for r in rows] == [(1, 12.0, "idle", 3, 1), (2, 10.5, "wait", 1, 0)]
+    # A reader tailing ``rowid > last`` (the TUI) sees the replacement as a new row,
+    # also when the replaced row held the highest rowid (SQLite picks the new rowid
+    # before it deletes the conflicting row).
+    assert rows[0][0] > rows[1][0]
+    conn.close()
+    asyncio.run(write_all(db, [item(3, [[A0, 4, _status_body(13.0, "idle", 3, finished=1)]])]))
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    (rowid, ts), = conn.execute("SELECT rowid, ts FROM status WHERE rank_id=1").fetchall()
+    assert rowid > rows[0][0] and ts == 13.0
+    conn.close()
+    conn = reader.open_readonly(str(db))
+    data = reader.load_run(conn, reader.latest_run(conn))
+    statuses = [r.status for r in data.ranks]
+    assert [(st.phase, st.steps_done, st.finished) for st in statuses if st] == [("idle", 3, True), ("wait", 1, False)]

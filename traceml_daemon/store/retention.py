@@ -4,8 +4,8 @@ The writer calls ``enforce`` between its transactions (so there is never a
 second writer). Raw rows go oldest first, in chunks of ``chunk_rows``, each
 chunk its own short transaction, so ingest never waits long behind a delete.
 Only raw time series are trimmed; ``rank_history``, ``node_history``, the
-reservoir, ``ranks`` and ``delivery`` stay, so a run's overview and counters
-survive the raw rows they were built from.
+reservoir, ``ranks``, ``status`` (one row per rank) and ``delivery`` stay, so a
+run's overview, counters and each rank's last status survive the raw rows.
 
 "Oldest" is rowid order: rows are appended as they arrive, so the first
 rowids are the oldest, and a chunk is found through the rowid B-tree without
@@ -26,12 +26,12 @@ import aiosqlite
 log = logging.getLogger("traceml_daemon.retention")
 
 # Raw tables trimmed, with the column holding wall-clock time and its scale to seconds.
+# ``status`` holds one row per rank (a rank's last word: finished or not) and stays.
 RAW_TABLES: tuple[tuple[str, str, float], ...] = (
     ("steps", "ts", 1.0),
     ("process", "ts", 1.0),
     ("system", "ts", 1.0),
     ("gpu", "ts", 1.0),
-    ("status", "ts", 1.0),
     ("spans", "start_ns", 1e9),
 )
 

@@ -191,6 +191,15 @@ def _v3() -> list[str]:
             + ", ".join(f"{p}_ns INTEGER" for p in PHASES),
             "slot, rank_id",
         ),
+        # status: only each rank's newest row was ever read (the TUI, summaries), yet
+        # every flush of every rank appended one (4096 rows a second at 4096 ranks),
+        # each into the rank's own page of a (rank_id, ts) index. One row per rank now,
+        # replaced on every flush: a replaced row gets a new, higher rowid, so readers
+        # that tail ``rowid > last`` still see every change.
+        "DELETE FROM status WHERE rowid NOT IN (SELECT (SELECT x.rowid FROM status x WHERE x.rank_id = r.rank_id "
+        "ORDER BY x.ts DESC, x.rowid DESC LIMIT 1) FROM (SELECT DISTINCT rank_id FROM status) r)",
+        "DROP INDEX IF EXISTS status_by_rank",
+        "CREATE UNIQUE INDEX status_one_per_rank ON status (rank_id)",
     ]
 
 

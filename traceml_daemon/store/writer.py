@@ -147,9 +147,14 @@ def multi_row_tuples(parts: history.SqlParts, rows: Iterable[tuple[Any, ...]]) -
     return multi_row(parts, flat, len(flat) // parts[2])
 
 
+# Tables holding one row per rank (schema v3): a new row replaces the rank's last.
+LATEST_ONLY_TABLES = frozenset({"status"})
+
+
 def _table_parts(table: str) -> history.SqlParts:
     cols = ("rank_id", *columns(table))
-    return f"INSERT INTO {table} ({', '.join(cols)})", "", len(cols)
+    verb = "INSERT OR REPLACE" if table in LATEST_ONLY_TABLES else "INSERT"
+    return f"{verb} INTO {table} ({', '.join(cols)})", "", len(cols)
 
 
 _TABLE_PARTS = {name: _table_parts(name) for name in TABLE_COLUMNS}
