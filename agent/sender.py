@@ -25,15 +25,18 @@ from agent.errors import ErrorReporter
 from traceml_wire import messages
 from traceml_wire.auth import hello_mac
 from traceml_wire.errors import ProtocolError
-from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, encode_frame, unpack_message
+from traceml_wire.framing import MAX_AGENT_BODY_BYTES, FrameDecoder, encode_frame, unpack_message
 from traceml_wire.tables import encode_body
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 CONNECT_TIMEOUT_S = 1.0  # loopback: a healthy relay answers in microseconds
 IO_TIMEOUT_S = 2.0
-# Leave headroom under the receivers' frame cap for the batch envelope.
-MAX_BODY_BYTES = DEFAULT_MAX_FRAME_BYTES - 64 * 1024
+# The wire module derives it from the daemon's frame cap: the relay accepts every
+# body up to it, and one alone in an rbatch still fits the daemon's cap.
+MAX_BODY_BYTES = MAX_AGENT_BODY_BYTES
+# "drops" source of rows that could not be sent at all: one row alone over MAX_BODY_BYTES.
+OVERSIZE_ROWS = "sender_oversize_rows"
 
 Tables = dict[str, dict[str, list[Any]]]
 
@@ -219,21 +222,59 @@ class BatchSource(Protocol):
     def build(self, now: float, *, final: bool) -> Tables: ...
 
 
-def encode_bodies(tables: Tables, now: float, limit: int = MAX_BODY_BYTES) -> list[bytes]:
-    """One body, or several when it would not fit one frame (split rows in halves)."""
+def _row_count(cols: dict[str, list[Any]]) -> int:
+    return len(next(iter(cols.values()), []))
+
+
+def encode_bodies(tables: Tables, now: float, limit: int = MAX_BODY_BYTES) -> tuple[list[bytes], int]:
+    """Bodies of at most ``limit`` bytes holding the rows of ``tables``, and how many
+    rows could not be sent: a row whose body alone is over ``limit`` (the caller counts it).
+
+    Oversize bodies are split in halves until they fit; every split makes progress,
+    so this ends even for several one-row tables that only fit apart.
+    """
     body = encode_body(tables, sent_ts=now)
     if len(body) <= limit:
-        return [body]
-    sizes = {name: len(next(iter(cols.values()), [])) for name, cols in tables.items()}
+        return [body], 0
+    sizes = {name: n for name, cols in tables.items() if (n := _row_count(cols))}
     if sum(sizes.values()) <= 1:
-        return []  # a single row over the frame cap cannot be sent at all
+        return [], sum(sizes.values())  # a single row over the frame cap cannot be sent at all
     first: Tables = {}
     second: Tables = {}
-    for name, cols in tables.items():
-        half = sizes[name] // 2 if sizes[name] > 1 else sizes[name]
-        first[name] = {c: v[:half] for c, v in cols.items()}
-        second[name] = {c: v[half:] for c, v in cols.items()}
-    return encode_bodies(first, now, limit) + encode_bodies(second, now, limit)
+    if max(sizes.values()) > 1:
+        # Halve every table with several rows; one-row tables ride in the first half,
+        # which still shrinks because some table lost half its rows.
+        for name, n in sizes.items():
+            cols, half = tables[name], n // 2 if n > 1 else n
+            first[name] = {c: v[:half] for c, v in cols.items()}
+            second[name] = {c: v[half:] for c, v in cols.items()}
+    else:
+        # Several one-row tables: halving rows cannot split them; split the tables.
+        names = list(sizes)
+        for i, name in enumerate(names):
+            (first if i < len(names) // 2 else second)[name] = tables[name]
+    bodies, dropped = encode_bodies(first, now, limit)
+    more, dropped_more = encode_bodies(second, now, limit)
+    return bodies + more, dropped + dropped_more
+
+
+def _drop_row(now: float, count: int) -> dict[str, list[Any]]:
+    return {"ts": [now], "source": [OVERSIZE_ROWS], "count": [count]}
+
+
+def _add_drop(tables: Tables, now: float, count: int) -> None:
+    """Append the OVERSIZE_ROWS counter to the flush's "drops" table (drained: ours to change)."""
+    row = _drop_row(now, count)
+    drops = tables.get("drops")
+    if not drops or not _row_count(drops):
+        tables["drops"] = row
+        return
+    width = _row_count(drops)
+    for column in ("ts", "source", "count"):
+        drops.setdefault(column, [None] * width).extend(row[column])
+    for column, values in drops.items():
+        if column not in row:
+            values.append(None)
 
 
 class Sender:
@@ -276,6 +317,10 @@ class Sender:
         self.connects = 0
         self.disconnects = 0
         self.refusals = 0
+        # Rows that could not be sent at all (one row over MAX_BODY_BYTES): a real loss,
+        # shipped as the "drops" source OVERSIZE_ROWS with every flush once non-zero.
+        self.oversize_rows = 0
+        self.max_body_bytes = MAX_BODY_BYTES
         self.finished = threading.Event()
 
     # ------------------------------------------------------------ lifecycle
@@ -346,7 +391,20 @@ class Sender:
         tables = source.build(now, final=final)
         if not tables:
             return
-        for body in encode_bodies(tables, now):
+        if self.oversize_rows:
+            # Repeated every flush like the other counters: a batch carrying it may be
+            # evicted from the resend buffer, and the daemon keeps the maximum anyway.
+            _add_drop(tables, now, self.oversize_rows)
+        bodies, dropped = encode_bodies(tables, now, self.max_body_bytes)
+        if dropped:
+            self.oversize_rows += dropped
+            self._reporter.report(
+                "oversize-row",
+                f"a telemetry row is larger than one batch ({self.max_body_bytes} bytes) and was dropped (counted)",
+            )
+            # Ship the new count in this flush: at shutdown there is no next one.
+            bodies += encode_bodies({"drops": _drop_row(now, self.oversize_rows)}, now)[0]
+        for body in bodies:
             self.seq += 1
             self.buffer.push(self.seq, encode_frame(messages.batch(self.seq, body)))
 

@@ -75,7 +75,9 @@ _new_record = object.__new__
 # Device triple slot for copies made before the step entered (outside its event window).
 _H2D_OUT = 6
 # Finished steps waiting for poll(): bounded (a record is a few hundred bytes) so a sender
-# thread that never polls cannot grow memory; overflow drops the oldest and counts it.
+# thread that never polls cannot grow memory. Overflow: on CPU the oldest is dropped and
+# counted (steps_dropped); on a device the oldest leaves at once with its host timings
+# and is counted (device_steps_overflow).
 MAX_PENDING_STEPS = 16384
 
 
@@ -187,7 +189,7 @@ class Tracer:
         "_h2d_out", "_h2d_out_dev", "_recorder", "_gate", "_deep_dive", "_deep_every", "_timeout_ns",
         "_cuda", "_wall_offset_ns", "_created", "_none_state", "_next_model_id", "_emitted",
         "_dropped_seen", "_scalars", "_rss", "_undo", "_installed", "device_steps_dropped",
-        "device_steps_fallback", "__weakref__",
+        "device_steps_fallback", "device_steps_overflow", "_max_pending", "__weakref__",
     )
 
     def __init__(
@@ -199,6 +201,7 @@ class Tracer:
         warn: Callable[[str, str], None] = lambda kind, msg: None,
         event_backend: EventBackend | None = _AUTO,
         event_timeout_s: float = 30.0,
+        max_pending_steps: int | None = None,
     ) -> None:
         backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
         # The attributes every step reads or writes come first (see __slots__).
@@ -211,8 +214,11 @@ class Tracer:
         # or an H2D copy between steps, always on a device backend.
         self._rare = backend is not None
         # CPU records are final at exit, so the oldest may go when the queue is full; device
-        # records hold pooled events and leave only through poll() (resolved or timed out).
-        self._pending: deque[StepRecord] = deque(maxlen=MAX_PENDING_STEPS) if backend is None else deque()
+        # records hold pooled events: past the bound the training thread takes the oldest
+        # out itself (_overflow_device), releasing its events and keeping its host timings.
+        # None: the module's bound, read now (tests lower it by patching the module).
+        self._max_pending = max(1, int(MAX_PENDING_STEPS if max_pending_steps is None else max_pending_steps))
+        self._pending: deque[StepRecord] = deque(maxlen=self._max_pending) if backend is None else deque()
         # What status() reads besides the active record: the last step closed (its step
         # number, when the thread went idle), the start of a DataLoader fetch / H2D copy in progress.
         self._last: StepRecord | None = None
@@ -252,6 +258,7 @@ class Tracer:
         self._installed = False
         self.device_steps_dropped = 0  # steps whose events timed out: host timings used
         self.device_steps_fallback = 0  # steps that lost an event (pool exhausted): host timings used
+        self.device_steps_overflow = 0  # steps over the pending bound before poll() came: host timings used
 
     # ------------------------------------------------------------------ install
 
@@ -439,6 +446,7 @@ class Tracer:
             "tracer_errors": self._gate.total(),
             "device_steps_dropped": self.device_steps_dropped,
             "device_steps_fallback": self.device_steps_fallback,
+            "device_steps_overflow": self.device_steps_overflow,
             "steps_dropped": self.steps_dropped,
             "scalars_dropped": self._scalars.dropped,
         }
@@ -559,12 +567,32 @@ class Tracer:
                 for ev in self._events(rec):
                     backend.release(ev)
             return
+        if backend is not None and len(self._pending) >= self._max_pending:
+            self._overflow_device(backend)
         self._pending.append(rec)
         state.steps += 1
         self._steps_done += 1
         if deep is not None:
             for row in deep.rows(rec.step, getattr(rec, "bwd_end", 0) or rec.t_exit):
                 self._emit("layers", row)
+
+    def _overflow_device(self, backend: EventBackend) -> None:
+        """The device queue is full (poll() fell behind, or the sender thread is stuck):
+        the oldest step leaves now, as a timed-out one would, with its host timings.
+
+        Runs on the training thread, only past the bound. Its events go back to the pool
+        (a dropped record would keep them out of it for good). poll() pops a record before
+        judging it and puts it back at the head if it is not done, so the two threads never
+        take the same record; the queue holds at most one over the bound meanwhile.
+        """
+        try:
+            rec = self._pending.popleft()
+        except IndexError:
+            return  # poll() emptied it meanwhile
+        for ev in self._events(rec):
+            backend.release(ev)
+        self.device_steps_overflow += 1
+        self._emit("steps", self._host_row(rec))
 
     @property
     def steps_dropped(self) -> int:
@@ -721,21 +749,30 @@ class Tracer:
                 self._emitted += 1
                 self._emit("steps", self._host_row(rec))
         now = self._perf()
-        while pending:
-            rec = pending[0]
+        while True:
+            # Pop before judging: the training thread may take the oldest out concurrently
+            # when the queue is full (_overflow_device); a record not done yet goes back.
+            try:
+                rec = pending.popleft()
+            except IndexError:
+                return
             events = self._events(rec)
             if rec.dev_lost:
                 self.device_steps_fallback += 1
                 row = self._host_row(rec)
             elif all(backend.done(ev) for ev in events):
-                row = self._device_row(rec, backend)
+                try:
+                    row = self._device_row(rec, backend)
+                except Exception:
+                    pending.appendleft(rec)  # as before: it stays at the head (poll() counts the error)
+                    raise
             elif final or now - rec.t_exit > self._timeout_ns:
                 # Head of line stuck past the bound: keep the step with host timings, count the drop.
                 self.device_steps_dropped += 1
                 row = self._host_row(rec)
             else:
-                break  # in-order completion: later steps cannot be done before this one
-            pending.popleft()
+                pending.appendleft(rec)
+                return  # in-order completion: later steps cannot be done before this one
             for ev in events:
                 backend.release(ev)
             self._emit("steps", row)

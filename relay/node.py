@@ -29,7 +29,7 @@ from relay.upstream import (
     Upstream,
     warn,
 )
-from traceml_wire import DEFAULT_MAX_FRAME_BYTES, ProtocolError
+from traceml_wire import MAX_AGENT_FRAME_BYTES, ProtocolError
 from traceml_wire import messages as wm
 from traceml_wire.addresses import is_loopback
 from traceml_wire.auth import new_nonce, verify_hello_mac
@@ -37,9 +37,9 @@ from traceml_wire.auth import new_nonce, verify_hello_mac
 DEFAULT_PORT = 29766
 DEFAULT_DAEMON = ("127.0.0.1", 29765)
 HELLO_TIMEOUT = 10.0
-# Agent frames are forwarded inside an rbatch that must fit the daemon's 16 MiB
-# cap, so leave room for the rbatch envelope (sender, peers, node, stats).
-AGENT_MAX_FRAME_BYTES = DEFAULT_MAX_FRAME_BYTES - 256 * 1024
+# Derived in traceml_wire from the daemon's cap: every body the agent may send passes,
+# and one alone in an rbatch still fits the daemon's frame cap.
+AGENT_MAX_FRAME_BYTES = MAX_AGENT_FRAME_BYTES
 
 
 def default_spool_dir(session: str) -> str:
@@ -306,11 +306,13 @@ def start_relay_thread(
     node: dict[str, Any],
     spool_dir: str | None = None,
     buffer_bytes: int = EMBEDDED_BUFFER_BYTES,
+    tls_ca: str | None = None,
 ) -> RelayHandle:
     """Run a NodeRelay on a daemon thread; return once its port is bound.
 
     Raises OSError (quickly) when the port is taken, e.g. by another process's
-    relay on this node; the caller decides what that means.
+    relay on this node, or when ``tls_ca`` (the CA file that verifies the daemon's
+    TLS certificate) cannot be read; the caller decides what that means.
     """
     ready = threading.Event()
     outcome: dict[str, Any] = {}
@@ -326,6 +328,7 @@ def start_relay_thread(
                 node=node,
                 spool_dir=spool_dir or default_spool_dir(session),
                 buffer_bytes=buffer_bytes,
+                tls_ca=tls_ca,
             )
             await relay.start()
         except BaseException as exc:

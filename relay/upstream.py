@@ -97,6 +97,10 @@ class Upstream:
         self._backoff = backoff or Backoff()
         self._max_frame_bytes = max_frame_bytes
         self.spool = Spool(spool_dir, spool_bytes) if spool_dir and spool_bytes > 0 else None
+        # Highest rbatch seq the spool cap dropped. Dropped records stay on disk until their
+        # whole segment goes, so rbatches say it: ``traceml-daemon ingest`` must not store
+        # what this relay already counted as lost.
+        self._spool_dropped_upto = 0
         # Items not yet packed, and the identity each agent sender gave in its hello.
         self._pending: list[list[Any]] = []
         self._pending_bytes = 0
@@ -141,7 +145,14 @@ class Upstream:
         self._evict(estimate)
         seq = self._next_seq
         self._next_seq += 1
-        data = pack_message(wm.relay_batch(seq, items, peers, self.node, self.stats.as_dict()))
+        # ``sender`` rides along so a spooled rbatch names its relay: ``traceml-daemon
+        # ingest`` then stores these stats under the same source as the live ones.
+        data = pack_message(
+            wm.relay_batch(
+                seq, items, peers, self.node, self.stats.as_dict(), sender=self.sender,
+                spool_dropped_upto=self._spool_dropped_upto,
+            )
+        )
         self._push(Packed(seq, data, len(items), body_bytes))
 
     def _push(self, packed: Packed) -> None:
@@ -158,6 +169,7 @@ class Upstream:
             if self.spool is not None:
                 try:
                     self.spool.append(old)
+                    self._note_cap_drops()
                     self.stats.spooled_batches += old.n_items
                 except OSError as exc:
                     self._warn_once("spool-write", f"cannot write spool in {self.spool.directory}: {exc}; dropping")
@@ -169,6 +181,13 @@ class Upstream:
     def _count_drop(self, packed: Packed) -> None:
         self.stats.dropped_batches += packed.n_items
         self.stats.dropped_bytes += packed.body_bytes
+
+    def _note_cap_drops(self) -> None:
+        """Right after an append, ``spool.dropped`` holds only what its cap pushed out (the
+        oldest records; read-back drops of corrupt ones are collected where they happen)."""
+        assert self.spool is not None
+        for packed in self.spool.dropped:
+            self._spool_dropped_upto = max(self._spool_dropped_upto, packed.seq)
 
     def _collect_spool_drops(self) -> None:
         if self.spool is None:
@@ -254,7 +273,8 @@ class Upstream:
                 where = f"; buffering, then spooling under {self.spool.directory}" if self.spool else ""
                 self._warn_once(
                     "unreachable",
-                    f"daemon {self.daemon[0]}:{self.daemon[1]} unreachable or dropped: {exc!r}; retrying{where}",
+                    f"daemon {self.daemon[0]}:{self.daemon[1]} unreachable or dropped: {exc!r}{self._tls_hint(exc)}; "
+                    f"retrying{where}",
                 )
             except Exception as exc:  # a bug must not silently end forwarding for the whole node
                 self._warn_once(f"bug-{type(exc).__name__}", f"unexpected error on the daemon connection: {exc!r}; retrying")
@@ -265,6 +285,12 @@ class Upstream:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._retry_now.wait(), self._backoff.next_delay())
             self._retry_now.clear()
+
+    def _tls_hint(self, exc: BaseException) -> str:
+        """Name the settings to check when TLS itself failed: retrying cannot fix those."""
+        if self._ssl is None or not isinstance(exc, ssl.SSLError):
+            return ""
+        return " (TLS failed: the daemon must serve a --tls-cert signed by the CA in TRACEML_TLS_CA / --tls-ca)"
 
     async def _connect_and_stream(self) -> None:
         host, port = self.daemon
@@ -344,7 +370,10 @@ class Upstream:
             for packed in self._memory:
                 self._count_drop(packed)
         else:
+            dropped = self.stats.dropped_batches
             self._evict(self.buffer_bytes + 1)  # spill every in-memory rbatch
+            if self.stats.dropped_batches != dropped:
+                self._spool_final_stats()
             kept = self.spool.close(keep_unacked=True)
             # One line per process: when the daemon was reported unreachable, that
             # line already named the spool directory.
@@ -352,6 +381,31 @@ class Upstream:
                 warn(f"daemon did not acknowledge everything; unsent data kept in {len(kept)} spool file(s) under {self.spool.directory}")
         self._memory.clear()
         self._memory_bytes = 0
+
+    def _spool_final_stats(self) -> None:
+        """The spill at stop pushed the spool over its cap: records were dropped after
+        the last rbatch took its stats snapshot, and no rbatch would report them. One
+        more rbatch, without items, carries the final counters into the spool for
+        ``traceml-daemon ingest``. Writing it may displace another old record, which
+        changes the counters again: repeat (a few rounds at most; each is ~1 KiB)."""
+        assert self.spool is not None
+        for _ in range(8):
+            before = self.stats.as_dict()
+            seq = self._next_seq
+            self._next_seq += 1
+            data = pack_message(
+                wm.relay_batch(
+                    seq, [], {}, self.node, before, sender=self.sender, spool_dropped_upto=self._spool_dropped_upto
+                )
+            )
+            try:
+                self.spool.append(Packed(seq, data, 0, 0))
+            except OSError:
+                return  # already warned about the spool; the counters stay in this process only
+            self._note_cap_drops()
+            self._collect_spool_drops()
+            if self.stats.as_dict() == before:
+                return
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

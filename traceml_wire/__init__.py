@@ -7,8 +7,12 @@ thin I/O shell (a thread in the agent, asyncio streams in relay and daemon).
 
 from traceml_wire.errors import FrameTooLarge, ProtocolError
 from traceml_wire.framing import (
+    BATCH_OVERHEAD_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     HEADER_BYTES,
+    MAX_AGENT_BODY_BYTES,
+    MAX_AGENT_FRAME_BYTES,
+    RBATCH_OVERHEAD_BYTES,
     FrameDecoder,
     encode_frame,
     pack_message,
@@ -16,8 +20,12 @@ from traceml_wire.framing import (
 )
 
 __all__ = [
+    "BATCH_OVERHEAD_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
     "HEADER_BYTES",
+    "MAX_AGENT_BODY_BYTES",
+    "MAX_AGENT_FRAME_BYTES",
+    "RBATCH_OVERHEAD_BYTES",
     "FrameDecoder",
     "FrameTooLarge",
     "ProtocolError",

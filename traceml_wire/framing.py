@@ -16,7 +16,23 @@ import msgpack
 from traceml_wire.errors import FrameTooLarge, ProtocolError
 
 HEADER_BYTES = 4
+# The daemon's cap on one frame from a relay (``serve --max-frame-bytes``). Every
+# other size limit on the path agent -> relay -> daemon is derived from it below,
+# so the three peers cannot disagree about what fits.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+# What an rbatch holding a single agent body adds around that body: its own keys
+# and seq, the item's sender (<= 200 chars) and seq, that sender's identity and the
+# node's (clean_identity keeps 8 ints and 4 strings of <= 256 chars each) and the
+# relay's stats (a few dozen counters) and its sender id. The worst case is under 16 KiB
+# (tests/traceml_wire/test_limits.py measures it); the rest is room for additive fields.
+RBATCH_OVERHEAD_BYTES = 64 * 1024
+# What a ``batch`` message adds around its body: {t, seq, body} is ~30 bytes.
+BATCH_OVERHEAD_BYTES = 1024
+# The largest agent batch body: alone in an rbatch it still fits the daemon's cap.
+MAX_AGENT_BODY_BYTES = DEFAULT_MAX_FRAME_BYTES - RBATCH_OVERHEAD_BYTES
+# The relay's cap on one agent frame: every body the agent may send passes it, so a
+# body is never refused on every resend until the agent's buffer evicts it.
+MAX_AGENT_FRAME_BYTES = MAX_AGENT_BODY_BYTES + BATCH_OVERHEAD_BYTES
 _HEADER = struct.Struct(">I")
 
 

@@ -17,8 +17,13 @@ Two batch shapes travel:
   * ``rbatch`` (relay -> daemon): ``seq`` plus ``items``, a list of
     ``[sender, seq, body]`` forwarded verbatim, ``peers`` (sender -> identity
     of every sender in items, so each rbatch is self-contained for resend and
-    spool), ``node`` (the relay's node identity) and ``stats`` (the relay's
-    cumulative drop counters).
+    spool), ``node`` (the relay's node identity), ``stats`` (the relay's
+    cumulative drop counters), and two optional fields for spool files, which
+    are replayed without a hello: ``sender`` (the relay's own sender id, as in
+    its hello, so that spooled stats land under the live counter source) and
+    ``spool_dropped_upto`` (the highest rbatch seq the relay's spool cap dropped:
+    those rbatches may still sit on disk, but were counted as lost). The live
+    daemon ignores both.
 """
 
 from __future__ import annotations
@@ -95,8 +100,15 @@ def relay_batch(
     peers: dict[str, dict[str, Any]],
     node: dict[str, Any],
     stats: dict[str, int],
+    sender: str | None = None,
+    spool_dropped_upto: int = 0,
 ) -> dict[str, Any]:
-    return {"t": RELAY_BATCH, "seq": seq, "items": items, "peers": peers, "node": node, "stats": stats}
+    message = {"t": RELAY_BATCH, "seq": seq, "items": items, "peers": peers, "node": node, "stats": stats}
+    if sender is not None:
+        message["sender"] = sender
+    if spool_dropped_upto:
+        message["spool_dropped_upto"] = spool_dropped_upto
+    return message
 
 
 def ack(seq: int) -> dict[str, Any]:
@@ -217,6 +229,11 @@ def validate_client_message(
         message["stats"] = {
             k: v for k, v in stats.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
         } if isinstance(stats, dict) else {}
+        # Optional (older relays and spools lack it); like hello's, 1..200 characters.
+        sender = message.get("sender")
+        message["sender"] = sender if isinstance(sender, str) and 0 < len(sender) <= 200 else None
+        upto = message.get("spool_dropped_upto")
+        message["spool_dropped_upto"] = upto if isinstance(upto, int) and not isinstance(upto, bool) and upto > 0 else 0
     return message
 
 

@@ -172,3 +172,28 @@ def test_derive_wait_from_buckets() -> None:
     assert derive_wait(None) == (None, None)
     # two buckets: launched at 0 and 10, done at 30 and 25 -> comm 30+15, blocked 10..30
     assert derive_wait([(0, 30), (10, 25)]) == (45, 20)
+
+
+def test_device_queue_is_bounded_oldest_leaves_with_host_timings(recorder: Recorder, backend: FakeBackend) -> None:
+    # Nothing polls (a stuck sender thread) and the device never completes an event.
+    tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600, max_pending_steps=4)
+    tracer.install()
+    try:
+        last = run_steps(tracer, 10)
+        assert len(tracer._pending) == 4
+        early = recorder.drain()["steps"]
+        # The six oldest left at once, in order, with their host timings (no loss).
+        assert early["step"] == [0, 1, 2, 3, 4, 5]
+        assert all(f >= 10_000_000 for f in early["forward_ns"])
+        counters = tracer.counters()
+        assert counters["device_steps_overflow"] == 6
+        assert counters["device_steps_dropped"] == 0 and counters["steps_dropped"] == 0
+        # Their events went back to the pool; only the queued steps hold any.
+        assert backend.live and min(backend.live) > last[5]
+        backend.complete_upto(last[9])
+        tracer.poll()
+    finally:
+        tracer.uninstall()
+    assert recorder.drain()["steps"]["step"] == [6, 7, 8, 9]  # resolved from their device events
+    assert backend.live == set()
+    assert tracer.counters()["device_steps_overflow"] == 6

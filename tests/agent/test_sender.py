@@ -124,7 +124,7 @@ def test_reconnect_skips_what_the_relay_already_holds(fake_relay: FakeRelay) -> 
 def test_buffer_cap_drops_oldest_and_counts(fake_relay: FakeRelay) -> None:
     fake_relay.mode = "hangup"  # listening, but every connection dies before the challenge
     frame_size = len(sender_mod.encode_frame({"t": "batch", "seq": 1, "body": encode_bodies(
-        CountingSource().build(0.0, final=False), 0.0)[0]}))
+        CountingSource().build(0.0, final=False), 0.0)[0][0]}))
     sender = make_sender(fake_relay.port, buffer_bytes=frame_size * 3)
     sender.start()
     assert fake_relay.wait_for(lambda: sender.buffer.dropped_batches >= 3)
@@ -197,10 +197,65 @@ def test_resend_buffer_release_and_after() -> None:
 def test_encode_bodies_splits_under_the_frame_limit() -> None:
     n = 2000
     tables = {"scalars": {"step": list(range(n)), "name": ["loss"] * n, "value": [0.5] * n}}
-    bodies = encode_bodies(tables, 1.0, limit=4096)
-    assert len(bodies) > 1 and all(len(b) <= 4096 for b in bodies)
+    bodies, dropped = encode_bodies(tables, 1.0, limit=4096)
+    assert len(bodies) > 1 and all(len(b) <= 4096 for b in bodies) and dropped == 0
     steps = [s for b in bodies for s in decode_body(b)["scalars"]["step"]]
     assert steps == list(range(n))
+
+
+def _span(args: str) -> dict[str, list[Any]]:
+    return {"name": ["big"], "start_ns": [1], "dur_ns": [2], "step": [0], "args": [args]}
+
+
+def test_encode_bodies_counts_a_single_row_over_the_limit() -> None:
+    tables = {"spans": _span("x" * 5000), "scalars": {"step": [0, 1, 2], "name": ["loss"] * 3, "value": [0.5] * 3}}
+    bodies, dropped = encode_bodies(tables, 1.0, limit=4096)
+    assert dropped == 1  # the span cannot travel; everything else does
+    assert [s for b in bodies for s in decode_body(b)["scalars"]["step"]] == [0, 1, 2]
+    assert all("spans" not in decode_body(b) for b in bodies)
+
+
+def test_encode_bodies_separates_one_row_tables_that_only_fit_apart() -> None:
+    # Two one-row tables, each under the limit, together over it: halving rows cannot
+    # split them (this recursed without end before).
+    tables = {"spans": _span("x" * 3000), "scalars": {"step": [7], "name": ["n" * 3000], "value": [1.0]}}
+    bodies, dropped = encode_bodies(tables, 1.0, limit=4096)
+    assert dropped == 0 and len(bodies) == 2
+    decoded = [decode_body(b) for b in bodies]
+    assert sorted(t for d in decoded for t in d) == ["scalars", "spans"]
+
+
+class OversizeOnce(CountingSource):
+    """A source with its own counter in every flush; the first also carries one span
+    too large for any batch."""
+
+    def build(self, now: float, *, final: bool) -> dict[str, dict[str, list[Any]]]:
+        tables = super().build(now, final=final)
+        tables["drops"] = {"ts": [now], "source": ["recorder_rows"], "count": [0]}
+        if self.flushes == 1:
+            tables["spans"] = _span("x" * 8192)
+        return tables
+
+
+def test_oversize_row_is_counted_and_shipped_as_a_drop(fake_relay: FakeRelay, capsys: pytest.CaptureFixture[str]) -> None:
+    source = OversizeOnce()
+    sender = make_sender(fake_relay.port, source=source)
+    sender.max_body_bytes = 4096
+    sender.start()
+    assert fake_relay.wait_for(lambda: len(fake_relay.batches) >= 4)
+    assert sender.stop(2.0)
+    tables = [decode_body(body) for _, _, body in fake_relay.batches]
+    assert all("spans" not in t for t in tables)
+    reported = [
+        dict(zip(t["drops"]["source"], t["drops"]["count"], strict=True)) for t in tables if "drops" in t
+    ]
+    # Shipped in the flush that lost the row (beside the source's own counters)...
+    assert reported[0] == {"recorder_rows": 0} and reported[1] == {"sender_oversize_rows": 1}
+    # ...and repeated in every later flush, as the cumulative counters are.
+    assert len(reported) > 3
+    assert all(r == {"recorder_rows": 0, "sender_oversize_rows": 1} for r in reported[2:])
+    assert sender.oversize_rows == 1
+    assert capsys.readouterr().err.count("larger than one batch") == 1
 
 
 def test_hello_mac_matches_token() -> None:

@@ -213,3 +213,56 @@ def test_non_loopback_without_token_refused(tmp_path: Path) -> None:
         assert "token" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def _span_body(size: int) -> bytes:
+    """A valid agent body of exactly ``size`` bytes: one span whose args fill it."""
+    from traceml_wire.tables import encode_body
+
+    def body(args: str) -> bytes:
+        span = {"name": ["big"], "start_ns": [1], "dur_ns": [2], "step": [0], "args": [args]}
+        return encode_body({"spans": span}, sent_ts=1.0)
+
+    # Past 64 KiB a string's header is 5 bytes (str32): the size is linear in the length.
+    filler = size - len(body("x" * 70_000)) + 70_000
+    out = body("x" * filler)
+    assert len(out) == size
+    return out
+
+
+def test_a_max_size_agent_body_passes_through_the_relay_into_the_daemon(tmp_path: Path) -> None:
+    """The largest body the agent sends whole is accepted by the relay and, wrapped in an
+    rbatch, by the real daemon under its default frame cap; stored, not refused."""
+    from agent.sender import MAX_BODY_BYTES, encode_bodies
+    from tests.support.procs import DaemonProcess, base_env, wait_for
+    from traceml_wire.tables import decode_body
+
+    body = _span_body(MAX_BODY_BYTES)
+    # The agent ships it as one body (one byte more and it could not be sent at all).
+    assert encode_bodies(decode_body(body), 1.0) == ([body], 0)
+    db = tmp_path / "run.db"
+
+    async def forward(port: int) -> None:
+        relay = NodeRelay(port=0, upstream=("127.0.0.1", port), token=TOKEN, session="s", node=NODE, spool_dir=None, flush_interval=0.05)
+        async with relay:
+            agent = FakeAgent(relay.port, TOKEN, sender="s/a0/n3/r0/1-aa")
+            assert (await agent.connect())["t"] == "accept"
+            assert await agent.send_batches(range(1, 2), lambda _: body) == [1]
+            await eventually(lambda: relay.stats.rbatches_acked >= 1, timeout=60)
+            assert relay.stats.agent_protocol_errors == 0 and relay.stats.dropped_batches == 0
+            await agent.close()
+
+    def stored() -> int:
+        import sqlite3
+
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            return conn.execute("SELECT length(args) FROM spans WHERE name='big'").fetchone()[0]
+        finally:
+            conn.close()
+
+    with DaemonProcess(db, env=base_env(TRACEML_TOKEN=TOKEN)) as daemon:
+        asyncio.run(asyncio.wait_for(forward(daemon.port), 120))
+        # The daemon acks an rbatch only after its rows committed.
+        assert wait_for(stored, 30, what="the span stored") == len(decode_body(body)["spans"]["args"][0])
+        assert "oversize" not in daemon.log().lower()

@@ -163,3 +163,52 @@ async def test_stop_while_daemon_unreachable_keeps_everything_in_spool(tmp_path:
             assert rb["t"] == "rbatch" and rb["node"] == NODE
             items += [(s, q) for s, q, _ in rb["items"]]
     assert items == [(FakeAgent(0, None).sender, q) for q in range(1, 6)]
+
+
+def _cli(*args: str) -> str:
+    import subprocess
+    import sys
+
+    from tests.support.procs import base_env
+
+    done = subprocess.run([sys.executable, "-m", "traceml_daemon", *args], capture_output=True, text=True,
+                          env=base_env(), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@run
+async def test_spool_cap_drops_reach_the_summary_after_ingest(tmp_path: Path) -> None:
+    """The daemon is down for the whole run: the relay's counters exist only in its spool."""
+    import json
+
+    from traceml_wire.tables import encode_body
+
+    spool_dir = tmp_path / "spool"
+    port = await _down_port()
+    relay = NodeRelay(port=0, upstream=("127.0.0.1", port), token=TOKEN, session="s", node=NODE, spool_dir=str(spool_dir), buffer_bytes=2000, spool_bytes=3000, flush_interval=0.05)
+    await relay.start()
+    agent = FakeAgent(relay.port, TOKEN)
+    await agent.connect()
+    for seq in range(1, N + 1):
+        steps = {"step": [seq], "ts": [1_700_000_000.0 + seq], "step_ns": [20_000_000], "model_id": [0]}
+        await agent.send_batches(range(seq, seq + 1), lambda s, steps=steps: encode_body({"steps": steps}) + b"")
+        relay.upstream.pack()
+    await agent.close()
+    await relay.aclose(timeout=0.2)
+    stats = relay.stats.as_dict()
+    assert stats["spool_dropped_batches"] > 0
+    db = tmp_path / "run.db"
+    files = sorted(map(str, spool_dir.iterdir()))
+    _cli("ingest", *files, "--db", str(db))
+    delivery = json.loads(_cli("summary", "--db", str(db), "--json"))["delivery"]
+    # Everything the relay counted up to its last moment (the spill at stop included).
+    assert delivery["relay_spool_dropped_batches"] == stats["spool_dropped_batches"]
+    assert delivery["relay_dropped_batches"] == stats["dropped_batches"]
+    assert delivery["batches_dropped_reported"] == stats["dropped_batches"]
+    assert delivery["rows_stored"] == N - stats["dropped_batches"]
+    # A second load of the same spool neither adds rows nor counts the drops twice.
+    _cli("ingest", *files, "--db", str(db))
+    again = json.loads(_cli("summary", "--db", str(db), "--json"))["delivery"]
+    assert again["relay_spool_dropped_batches"] == stats["spool_dropped_batches"]
+    assert again["rows_stored"] == delivery["rows_stored"]

@@ -95,9 +95,20 @@ def test_node_identity_comes_from_the_agent_before_the_relay(tmp_path: Path) -> 
 
 def test_relay_stats_and_agent_drops_are_delivery_counters(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
-    drops = encode_body({"drops": {"ts": [1.0, 1.0, 1.0], "source": ["recorder_rows", "sender_batches", "agent_errors"],
-                                   "count": [5, 2, 9]}})
-    older = encode_body({"drops": {"ts": [0.5], "source": ["recorder_rows"], "count": [3]}})
+    # Every counter an agent reports (runtime, tracer, sender), each with a distinct value.
+    reported = {
+        "recorder_rows": 5,  # lost: the recorder's byte cap dropped them
+        "steps_dropped": 7,  # lost: CPU steps the tracer's bounded queue discarded
+        "scalars_dropped": 3,  # lost: lazy scalars never resolved
+        "sender_oversize_rows": 1,  # lost: a row larger than any batch
+        "device_steps_dropped": 11,  # stored with host timings: not a loss
+        "device_steps_fallback": 13,  # stored with host timings
+        "device_steps_overflow": 17,  # stored with host timings
+        "sender_batches": 2,
+        "agent_errors": 9,
+    }
+    drops = encode_body({"drops": {"ts": [1.0] * len(reported), "source": list(reported), "count": list(reported.values())}})
+    older = encode_body({"drops": {"ts": [0.5, 0.5], "source": ["recorder_rows", "steps_dropped"], "count": [3, 1]}})
     asyncio.run(
         write_all(
             db,
@@ -106,9 +117,10 @@ def test_relay_stats_and_agent_drops_are_delivery_counters(tmp_path: Path) -> No
         )
     )
     counters = reader.delivery_counters(reader.open_readonly(str(db)))
-    assert counters["rows_dropped_reported"] == 5  # errors are not lost rows
+    assert counters["rows_dropped_reported"] == 5 + 7 + 3 + 1  # exactly the real losses
     assert counters["batches_dropped_reported"] == 2 + 4  # the agent's resend buffer + the relay
     assert counters["agent_agent_errors"] == 9
+    assert counters["agent_device_steps_dropped"] == 11 and counters["agent_steps_dropped"] == 7
     assert counters["relay_dropped_batches"] == 4
 
 

@@ -203,3 +203,18 @@ def test_identity_cache_is_bounded() -> None:
         msg = m.relay_batch(1, [], {f"s{i}": {"global_rank": i}}, {}, {})
         m.validate_client_message(_roundtrip(msg), cache, max_identities=4)
         assert len(cache) <= 4
+
+
+def test_rbatch_spool_fields_are_optional_and_typed() -> None:
+    def check(message: dict[str, Any]) -> dict[str, Any]:
+        return m.validate_client_message(unpack_message(pack_message(message)))
+
+    old = check(m.relay_batch(1, [], {}, {}, {}))  # what relays before these fields sent
+    assert "sender" not in m.relay_batch(1, [], {}, {}, {})
+    assert old["sender"] is None and old["spool_dropped_upto"] == 0
+    new = check(m.relay_batch(4, [], {}, {}, {}, sender="relay/s/n0/1-ab", spool_dropped_upto=3))
+    assert new["sender"] == "relay/s/n0/1-ab" and new["spool_dropped_upto"] == 3
+    junk = check({**m.relay_batch(4, [], {}, {}, {}), "sender": "x" * 201, "spool_dropped_upto": True})
+    assert junk["sender"] is None and junk["spool_dropped_upto"] == 0
+    junk = check({**m.relay_batch(4, [], {}, {}, {}), "sender": 7, "spool_dropped_upto": -2})
+    assert junk["sender"] is None and junk["spool_dropped_upto"] == 0

@@ -263,8 +263,13 @@ def delivery_raw(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
 
 # Agent counters that are lost rows (each unit one row or one step row) and
 # lost batches (each an unknown number of rows). Everything else an agent
-# reports (errors, fallbacks) is informative, summed under ``agent_<name>``.
-AGENT_ROW_DROPS = ("recorder_rows", "device_steps_dropped", "scalars_dropped")
+# reports (errors, fallbacks) is informative, summed under ``agent_<name>``:
+# ``device_steps_dropped`` / ``device_steps_fallback`` / ``device_steps_overflow``
+# are steps whose device events timed out, were lost or were given up, and which
+# were stored with their host timings; ``steps_dropped`` are CPU steps the
+# tracer's bounded queue discarded (no row); ``sender_oversize_rows`` are rows
+# too large for any batch.
+AGENT_ROW_DROPS = ("recorder_rows", "steps_dropped", "scalars_dropped", "sender_oversize_rows")
 AGENT_BATCH_DROPS = ("sender_batches",)
 RELAY_BATCH_DROPS = ("dropped_batches",)
 
