@@ -28,6 +28,7 @@ class Config:
     disabled: bool = False
     daemon: tuple[str, int] = DEFAULT_DAEMON  # where the relay forwards
     token: str | None = field(default=None, repr=False)  # never printed
+    tls_ca: str | None = None  # CA file: the node relay reaches the daemon over TLS, verified by it
     relay_host: str = "127.0.0.1"  # the agent always talks to its node's loopback relay
     relay_port: int = DEFAULT_RELAY_PORT
     flush_s: float = DEFAULT_FLUSH_S
@@ -89,6 +90,7 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_DISABLE": ("disabled", _flag),
     "TRACEML_DAEMON": ("daemon", lambda s: parse_host_port(s, DEFAULT_DAEMON)),
     "TRACEML_TOKEN": ("token", lambda s: s or None),
+    "TRACEML_TLS_CA": ("tls_ca", lambda s: s.strip() or None),
     "TRACEML_RELAY_PORT": ("relay_port", _port),
     "TRACEML_FLUSH_S": ("flush_s", _positive_float),
     "TRACEML_BUFFER_BYTES": ("buffer_bytes", _positive_int),
@@ -142,6 +144,6 @@ def _coerce(attr: str, value: Any) -> Any:
         return _positive_int(str(int(value)))
     if attr in ("flush_s", "shutdown_timeout_s"):
         return _positive_float(str(value))
-    if attr == "token":
+    if attr in ("token", "tls_ca"):
         return str(value) if value else None
     return str(value)  # relay_host

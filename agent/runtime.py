@@ -248,6 +248,7 @@ class Runtime:
                 session=ident.session,
                 node={"node_rank": ident.node_rank, "hostname": ident.hostname},
                 spool_dir=None,
+                tls_ca=self.config.tls_ca,
             )
         except Exception as exc:
             if _port_in_use(exc):

@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-rank", type=_nonneg, default=None, help="node rank (else GROUP_RANK/NODE_RANK/SLURM_NODEID)")
     parser.add_argument("--session", default=None, help="session id (else TORCHELASTIC_RUN_ID/SLURM_JOB_ID/TRACEML_SESSION)")
     parser.add_argument("--spool-dir", default=None, help="spool directory (TRACEML_SPOOL_DIR, default per session under the temp dir)")
-    parser.add_argument("--tls-ca", default=os.environ.get("TRACEML_TLS_CA"), help="CA file: connect to the daemon over TLS")
+    parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("TRACEML_TLS_CA") or None,
+        help="CA file that signed the daemon's --tls-cert: connect over TLS (else TRACEML_TLS_CA)",
+    )
     parser.add_argument("--flush-timeout", type=float, default=5.0, help="seconds to flush on shutdown")
     parser.set_defaults(env_port=env_port)
     return parser
@@ -93,7 +97,7 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[s
         except OSError as exc:
             parser.error(f"--token-file: cannot read {args.token_file}: {exc.strerror}")
     if args.tls_ca and not os.path.isfile(args.tls_ca):
-        parser.error(f"--tls-ca: no such file {args.tls_ca}")
+        parser.error(f"--tls-ca (or TRACEML_TLS_CA): no such file {args.tls_ca}")
     session = args.session or _env_session()
     node_rank = args.node_rank if args.node_rank is not None else _env_node_rank()
     return {

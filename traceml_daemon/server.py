@@ -13,9 +13,12 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import ssl
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from traceml_daemon.acks import AckWriter
 from traceml_daemon.aggregates import Aggregates
@@ -25,11 +28,15 @@ from traceml_daemon.session import Batch, Closed, Event, Failed, Hello, PeerSess
 from traceml_daemon.store.retention import RetentionPolicy
 from traceml_daemon.store.writer import StoreWriter, WorkItem
 from traceml_wire import messages
-from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
+from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES
 
 log = logging.getLogger("traceml_daemon.server")
 
 READ_CHUNK = 256 * 1024
+# Largest frame a peer may send before its hello is accepted. A hello is well under
+# 1 KiB; with the full cap, 1024 unauthenticated peers could make the daemon buffer
+# 16 GiB inside the hello timeout. Accepted peers get ``max_frame_bytes``.
+PRE_HELLO_MAX_FRAME_BYTES = 64 * 1024
 
 
 @dataclass
@@ -58,6 +65,53 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
     return str(peer)
 
 
+class _TLSListener:
+    """The listening socket of a TLS daemon, with the ``asyncio.Server`` surface
+    ``serve`` uses (``sockets``, ``start_serving``, ``close``, ``async with``).
+
+    It accepts connections itself and hands each raw socket to ``on_accept``,
+    which runs the handshake with ``loop.connect_accepted_socket``: a failed or
+    stalled handshake then raises where the peer's address is known, so it can
+    be logged with its reason. ``asyncio.start_server(ssl=...)`` drops those
+    without a word, and upgrading each connection with ``start_tls`` loses the
+    ClientHello on uvloop, which reads before the handler can pause the socket.
+    """
+
+    def __init__(self, sock: socket.socket, on_accept: Callable[[socket.socket, Any], None]) -> None:
+        self.sockets = [sock]
+        self._on_accept = on_accept
+        self._task: asyncio.Task[None] | None = None
+
+    async def start_serving(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._accept_forever())
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self.sockets[0])
+            except OSError as exc:
+                # Out of file descriptors and the like: keep listening, without spinning.
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._on_accept(conn, addr)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.sockets[0].close()
+
+    async def __aenter__(self) -> _TLSListener:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
 class DaemonServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -73,6 +127,8 @@ class DaemonServer:
         self._active = 0
         self._tg: asyncio.TaskGroup | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._tls: ssl.SSLContext | None = None
+        self._handshaking = 0  # TLS handshakes in flight: they count against max_connections
         self.bound: tuple[str, int] | None = None
 
     def _ssl_context(self) -> ssl.SSLContext | None:
@@ -84,20 +140,17 @@ class DaemonServer:
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set, then drain the queue, commit and return."""
+        try:
+            self._tls = self._ssl_context()
+        except OSError as exc:  # ssl.SSLError is an OSError: a missing file or a key that does not match
+            raise OSError(
+                exc.errno,
+                f"TLS --tls-cert {self.config.tls_cert} / --tls-key {self.config.tls_key}: {exc.strerror or exc}",
+            ) from None
         await self.writer.open()
         try:
             # Bound before the TaskGroup so a busy port is a plain OSError, not an ExceptionGroup.
-            server = await asyncio.start_server(
-                self._on_connect,
-                self.config.host,
-                self.config.port,
-                ssl=self._ssl_context(),
-                limit=READ_CHUNK,
-                start_serving=False,
-                # Every relay reconnects at once after a daemon restart; the default backlog
-                # (100) silently stalls the rest behind a full accept queue.
-                backlog=max(100, self.config.max_connections),
-            )
+            server = await self._listen()
             metrics = await self._start_metrics(server)
             async with server, metrics or contextlib.nullcontext(), asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -121,6 +174,27 @@ class DaemonServer:
         finally:
             self._tg = None
             await self.writer.close()
+
+    async def _listen(self) -> asyncio.Server | _TLSListener:
+        # Every relay reconnects at once after a daemon restart; the default backlog
+        # (100) silently stalls the rest behind a full accept queue.
+        backlog = max(100, self.config.max_connections)
+        if self._tls is None:
+            return await asyncio.start_server(
+                self._on_connect,
+                self.config.host,
+                self.config.port,
+                limit=READ_CHUNK,
+                start_serving=False,
+                backlog=backlog,
+            )
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            self.config.host, self.config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        sock = socket.create_server((self.config.host, self.config.port), family=infos[0][0], backlog=backlog)
+        sock.setblocking(False)
+        return _TLSListener(sock, self._on_tls_accept)
 
     def _start_memdebug(self, tg: asyncio.TaskGroup) -> asyncio.Task[None] | None:
         """The memory report of ``memdebug`` when ``TRACEML_DEBUG_MEM`` asks for it."""
@@ -163,6 +237,41 @@ class DaemonServer:
         self._conns.add(task)
         task.add_done_callback(self._conns.discard)
 
+    def _on_tls_accept(self, conn: socket.socket, addr: Any) -> None:
+        if self._tg is None:
+            conn.close()
+            return
+        task = self._tg.create_task(self._tls_handshake(conn, addr))
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
+
+    async def _tls_handshake(self, conn: socket.socket, addr: Any) -> None:
+        """Run the TLS handshake of an accepted socket, then the same conversation as a plaintext peer."""
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+        if self._active + self._handshaking >= self.config.max_connections:
+            # Refused before the handshake: its CPU is the very cost a full daemon must not pay.
+            self.counters.refused_peers += 1
+            log.warning("refused %s: too many connections (%d)", peer, self.config.max_connections)
+            conn.close()
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=READ_CHUNK, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        self._handshaking += 1
+        try:
+            # The handshake gets the hello timeout too: a silent peer must not hold a slot.
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: protocol, conn, ssl=self._tls, ssl_handshake_timeout=self.config.hello_timeout
+            )
+        except OSError as exc:  # ssl.SSLError; ConnectionAbortedError when the timeout hits
+            # The transport owns (and has closed) the socket by now: do not close it again.
+            self.counters.refused_peers += 1
+            log.warning("refused %s: TLS handshake failed: %s", peer, exc)
+            return
+        finally:
+            self._handshaking -= 1
+        await self._handle(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _peer_name(writer)
         if self._active >= self.config.max_connections:
@@ -193,30 +302,76 @@ class DaemonServer:
         session = PeerSession(self.config.token, self.config.max_frame_bytes)
         acks = AckWriter(writer)
         writer.write(session.challenge())
-        hello: Hello | None = None
         try:
             # The hello must arrive in time: a silent or trickling peer (slowloris)
-            # would otherwise hold a connection slot forever. Lifted once accepted.
-            async with asyncio.timeout(self.config.hello_timeout) as deadline:
-                while True:
-                    data = await reader.read(READ_CHUNK)
-                    if not data:
-                        log.info("disconnect %s (%s)", peer, hello.sender if hello else "before hello")
-                        return
-                    for event in self._receive(session, data):
-                        if isinstance(event, Hello):
-                            hello = event
-                            deadline.reschedule(None)
-                            await self._on_hello(peer, session, hello, writer)
-                        elif not await self._on_event(peer, session, hello, event, writer, acks):
-                            return
+            # would otherwise hold a connection slot forever.
+            async with asyncio.timeout(self.config.hello_timeout):
+                hello = await self._await_hello(peer, session, reader, writer, acks)
         except TimeoutError:
-            if hello is not None:
-                raise
             self.counters.refused_peers += 1
             log.warning("refused %s: no hello within %.0f s", peer, self.config.hello_timeout)
             with contextlib.suppress(Exception):
                 writer.write(session.refuse("no hello in time"))
+            return
+        if hello is None:
+            return
+        while True:
+            data = await reader.read(READ_CHUNK)
+            if not data:
+                log.info("disconnect %s (%s)", peer, hello.sender)
+                return
+            for event in self._receive(session, data):
+                if not await self._on_event(peer, session, hello, event, writer, acks):
+                    return
+
+    async def _await_hello(
+        self,
+        peer: str,
+        session: PeerSession,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        acks: AckWriter,
+    ) -> Hello | None:
+        """Read frames one at a time under the pre-hello cap until the hello is
+        accepted; None once the peer is refused or gone.
+
+        Exactly one frame is read per step, never a byte beyond it, so frames an
+        accepted peer sends right after its hello meet the full cap, not this one.
+        """
+        while True:
+            frame = await self._read_pre_hello_frame(peer, session, reader, writer)
+            if frame is None:
+                return None
+            for event in self._receive(session, frame):
+                if isinstance(event, Hello):
+                    await self._on_hello(peer, session, event, writer)
+                    return event
+                if not await self._on_event(peer, session, None, event, writer, acks):
+                    return None
+
+    async def _read_pre_hello_frame(
+        self, peer: str, session: PeerSession, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bytes | None:
+        """One whole frame, header included; None at EOF or when it is over the pre-hello cap."""
+        cap = min(PRE_HELLO_MAX_FRAME_BYTES, self.config.max_frame_bytes)
+        try:
+            header = await reader.readexactly(HEADER_BYTES)
+            declared = int.from_bytes(header, "big")
+            if declared <= cap:
+                return header + await reader.readexactly(declared)
+        except asyncio.IncompleteReadError:
+            log.info("disconnect %s (before hello)", peer)
+            return None
+        self.counters.oversize_frames += 1
+        reason = f"frame of {declared} bytes before the hello exceeds the pre-hello cap of {cap} bytes"
+        # 0x16 0x03 opens a TLS ClientHello: a relay given a CA file talking to a plaintext daemon.
+        tls_hello = header[:2] == b"\x16\x03"
+        hint = " (a TLS client hello: this daemon serves plaintext, start it with --tls-cert)" if tls_hello else ""
+        log.warning("refused %s: %s%s", peer, reason, hint)
+        with contextlib.suppress(Exception):
+            writer.write(session.refuse(reason))
+            await writer.drain()
+        return None
 
     def _receive(self, session: PeerSession, data: bytes) -> list[Event]:
         before = session.frames_received
