@@ -12,11 +12,17 @@ writer (WAL) and works the same on a finished run. Every query is bounded:
 * process/system/gpu series read the last W samples through their index;
 * reads are set-based: the first load is one statement per table for all ranks
   (a correlated ``MAX(step)`` per rank is one index seek), never one per rank;
-* with the v2 history tables the run's sparkline and span come from
-  ``store.history`` (a cross-rank series over the whole run, O(width) rows);
+* with the v2 history tables the run's span comes from ``store.history``, and
+  so does its sparkline (a cross-rank series over the whole run, O(width)
+  rows) once the history has ``MIN_HISTORY_POINTS`` points or retention has
+  deleted the run's first raw steps; a younger run draws its lowest rank's
+  raw steps, which are then fewer than 64 x ``MIN_HISTORY_POINTS``;
+* delivery counters go through ``store.reader.delivery_counters``, the
+  summary's definition of rows and batches lost;
 * diagnosis and node views (``analysis.nodes.node_views``: the worst rank is
   the one with the most busy time) run in ``Analyzer``, on its own connection,
-  so the app can run them in their own worker at a lower rate.
+  so the app can run them in their own worker at a lower rate; it judges the
+  newest host/GPU samples of every node (``store.reader.load_systems``) too.
 
 Everything returned is a plain dataclass; ``None`` always means "not measured".
 """
@@ -34,11 +40,21 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, RankData, RankStatus, RunData, Verdict
 from traceml_daemon.analysis.nodes import node_views
+from traceml_daemon.counters import DAEMON_SOURCE
 from traceml_daemon.store import history
-from traceml_daemon.store.reader import RunRef, run_parallelism
+from traceml_daemon.store.reader import RunRef, delivery_counters, load_systems, run_parallelism
 
 WINDOW = 32  # recent steps per rank kept in memory for medians and diagnosis
 SERIES_POINTS = 120  # default W for downsampled series
+NODE_SPARK_RANKS = 64  # step sparklines drawn on a node screen; the screen says when there are more
+# The history's finest level holds 64 steps a point, so a young run has a handful of
+# points there: below this many the lowest rank's raw steps (fewer than 64 x this many
+# rows, so the read stays bounded) draw a finer line, unless retention already deleted
+# the run's first raw steps and only the history still covers them.
+MIN_HISTORY_POINTS = 32
+# ``store.reader.delivery_counters`` sums every relay counter under ``relay_<name>``;
+# batches a relay wrote to its spool are delayed, not lost.
+SPOOLED_COUNTER = "relay_spooled_batches"
 _STEP_COLS = (
     ("step", "ts", "step_ns")
     + tuple(f"{p}_ns" for p in PHASES)
@@ -72,12 +88,23 @@ class Series:
 
 @dataclass(frozen=True)
 class Delivery:
-    frames_received: int | None = None
+    """Delivery counters as the summary reports them (``store.reader.delivery_counters``).
+
+    Rows and batches stay apart: a lost batch holds an unknown number of rows,
+    so the two never add up to one figure.
+    """
+
+    frames_received: int | None = None  # None: the daemon has stored no counters yet
     rows_stored: int | None = None
     duplicates_discarded: int | None = None
-    dropped: int = 0
-    spooled: int = 0
-    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> counter -> value
+    rows_dropped: int = 0  # rows_dropped_reported: rows an agent counted as lost
+    batches_dropped: int = 0  # batches_dropped_reported: agent sender and relay batches lost
+    spooled: int = 0  # batches relays spooled to disk (delayed, not lost)
+    counters: dict[str, int] = field(default_factory=dict)  # delivery_counters() as returned
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.rows_dropped or self.batches_dropped)
 
 
 @dataclass(frozen=True)
@@ -173,7 +200,7 @@ class NodeDetail:
     node_rank: int
     hostname: str | None
     ranks: list[RankRow]
-    step_series: dict[int, Series]  # global rank -> step ms
+    step_series: dict[int, Series]  # global rank -> step ms; the first NODE_SPARK_RANKS ranks only
     system: SystemLatest | None  # None: no host sampler rows for this node
     gpus: list[GpuLatest]
 
@@ -448,7 +475,9 @@ def has_history(con: sqlite3.Connection) -> bool:
 
 
 def load_window_run(con: sqlite3.Connection, window: int = WINDOW, now: float | None = None) -> RunData:
-    """The analysis input over each rank's newest ``window`` steps, in four statements.
+    """The analysis input over each rank's newest ``window`` steps (set-based reads),
+    plus each node's newest ``window`` host and GPU samples (``store.reader.load_systems``:
+    two index seeks per rank, about 0.2 s of CPU at 4096 ranks of 8 GPUs each).
 
     Call inside a read transaction for a consistent snapshot.
     """
@@ -488,8 +517,13 @@ def load_window_run(con: sqlite3.Connection, window: int = WINDOW, now: float | 
             rd.status = _status(row[1:])
     out = list(ranks.values())
     live = bool(out) and not all(r.status is not None and r.status.finished for r in out)
-    parallelism = run_parallelism(con, RunRef(*run))
-    return RunData(ranks=out, parallelism=parallelism, now=now if live else None, live=live)
+    ref = RunRef(*run)
+    parallelism = run_parallelism(con, ref)
+    # Host and GPU samples through the summary's own loader, so the per-node findings
+    # are judged alike; only the newest ``window`` samples per node (like the steps), which
+    # keeps the read bounded: 4096 ranks of 8 GPUs each are ~130k values, not ~500k.
+    systems = load_systems(con, ref, last_n=window)
+    return RunData(ranks=out, parallelism=parallelism, now=now if live else None, live=live, systems=systems)
 
 
 class Analyzer:
@@ -557,13 +591,16 @@ def nodes_from(rows: list[RankRow], analysis: Analysis | None = None) -> list[No
                 skew_pct=skew,
             )
         )
-    # Worst first: slowest median, then (DDP: equal medians) most busy, largest skew; unmeasured last.
+    # Worst first by busy time (step minus wait), then step median. Under DDP every
+    # node's step median is the same up to noise (the all-reduce waits for the slowest),
+    # so ordering by it flipped the two nodes of the demo between refreshes; busy time
+    # is what the slow node has more of, and without synchronization it is the step.
     out.sort(
         key=lambda n: (
-            n.median_ms is None,
-            -(n.median_ms or 0.0),
+            n.busy_median_ms is None and n.median_ms is None,
             -(n.busy_median_ms or 0.0),
-            -(n.skew_pct or 0.0),
+            -(n.worst_busy_ms or 0.0),
+            -(n.median_ms or 0.0),
             n.node_rank,
         )
     )
@@ -771,24 +808,26 @@ class TuiData:
         return st.row
 
     def _delivery(self) -> Delivery:
-        counters: dict[str, dict[str, int]] = {}
-        if self._has_table("delivery"):
-            for source, counter, value in self.con.execute("SELECT source, counter, value FROM delivery"):
-                counters.setdefault(str(source), {})[str(counter)] = int(value)
+        if not self._has_table("delivery"):
+            return Delivery()
+        # The summary's definitions, not a second copy: which agent and relay counters
+        # are rows lost, which are batches lost (a relay's dropped_bytes is neither).
+        flat = delivery_counters(self.con)
+        daemon = self.con.execute("SELECT 1 FROM delivery WHERE source=? LIMIT 1", (DAEMON_SOURCE,)).fetchone()
 
-        def total(name: str) -> int | None:
-            vals = [c[name] for c in counters.values() if name in c]
-            return sum(vals) if vals else None
+        def own(name: str) -> int | None:
+            # delivery_counters starts the daemon's counters at 0; before the daemon
+            # stored any they are not measured, not zero.
+            return int(flat.get(name, 0)) if daemon is not None else None
 
-        dropped = sum(v for c in counters.values() for k, v in c.items() if "drop" in k)
-        spooled = sum(v for c in counters.values() for k, v in c.items() if "spool" in k)
         return Delivery(
-            frames_received=total("frames_received"),
-            rows_stored=total("rows_stored"),
-            duplicates_discarded=total("duplicates_discarded"),
-            dropped=dropped,
-            spooled=spooled,
-            counters=counters,
+            frames_received=own("frames_received"),
+            rows_stored=own("rows_stored"),
+            duplicates_discarded=own("duplicates_discarded"),
+            rows_dropped=int(flat.get("rows_dropped_reported", 0)),
+            batches_dropped=int(flat.get("batches_dropped_reported", 0)),
+            spooled=int(flat.get(SPOOLED_COUNTER, 0)),
+            counters=flat,
         )
 
     def _header(self, span: history.RunSpan | None) -> JobHeader:
@@ -894,6 +933,14 @@ class TuiData:
             )
         return self._hist_series
 
+    def _prefer_history(self, series: Series, span: history.RunSpan | None, rows: list[RankRow]) -> bool:
+        """Draw the history's series unless it is coarse and the raw steps tell more."""
+        if len(series.values) >= MIN_HISTORY_POINTS or span is None or not rows:
+            return True
+        first = self._ranks[rows[0].rank_id].first_step
+        # Raw rows no longer reach the run's start (retention): only the history covers it.
+        return first is None or span.first_step is None or first > span.first_step
+
     # ---- public snapshots
 
     def overview(self, analysis: Analysis | None = None) -> Overview:
@@ -909,7 +956,7 @@ class TuiData:
             self.con.execute("COMMIT")
         self._refreshes += 1
         rows = [self._rank_row(st) for st in sorted(self._ranks.values(), key=lambda s: s.global_rank)]
-        if series is not None and series.values:
+        if series is not None and series.values and self._prefer_history(series, span, rows):
             label = "all ranks"  # whole run, from the downsampled history; fits the 11-column label
         else:
             first = rows[0] if rows else None
@@ -932,7 +979,9 @@ class TuiData:
         if not states:
             return None
         rows = [self._rank_row(s) for s in states]
-        sparks = {s.global_rank: self.step_series(s.rank_id) for s in states[:64]}
+        # One bucketed series per rank: bounded so a 512-rank node stays one quick read;
+        # NodeDetail.ranks still lists them all and the screen says how many have a line.
+        sparks = {s.global_rank: self.step_series(s.rank_id) for s in states[:NODE_SPARK_RANKS]}
         system: SystemLatest | None = None
         gpus: list[GpuLatest] = []
         for s in states:  # the host sampler runs on the node's local rank 0; find whoever sent rows
@@ -1033,22 +1082,6 @@ class TuiData:
             last = row[0]
             names.append(last)
         return names
-
-    def find(self, query: str) -> tuple[str, int] | None:
-        """Parse a jump query: "r12"/"12" -> ("rank", 12), "n3" -> ("node", 3); None if unknown."""
-        q = query.strip().lower()
-        kind = "rank"
-        if q[:1] in ("r", "n"):
-            kind = "rank" if q[0] == "r" else "node"
-            q = q[1:].strip()
-        if not q.isdigit():
-            return None
-        n = int(q)
-        if kind == "rank" and any(s.global_rank == n for s in self._ranks.values()):
-            return ("rank", n)
-        if kind == "node" and any(s.node_rank == n for s in self._ranks.values()):
-            return ("node", n)
-        return None
 
 
 def _status(row: Sequence[Any]) -> RankStatus:

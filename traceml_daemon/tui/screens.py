@@ -18,7 +18,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from traceml_daemon.analysis.model import PHASES, Verdict
-from traceml_daemon.tui.data import NodeDetail, Overview, RankDetail, RankRow
+from traceml_daemon.tui.data import Delivery, NodeDetail, Overview, RankDetail, RankRow
 from traceml_daemon.tui.widgets import (
     ABSENT,
     PHASE_COLORS,
@@ -252,8 +252,11 @@ class OverviewScreen(Screen[None]):
             head.append(f" (from {h.first_step})")
         head.append(f"  {fmt_num(h.steps_per_s, ' steps/s', 1)}  up {fmt_duration(h.uptime_s)}\n")
         head.append(f"{state}  ", style="bold green" if h.live else "bold")
-        delivery_style = "bold red" if d.dropped else "green"
-        head.append(f"delivery: {'DROPPED ' + str(d.dropped) if d.dropped else 'no loss'}", style=delivery_style)
+        if d.lost:
+            # Rows and batches apart: a lost batch holds an unknown number of rows.
+            head.append(f"LOST {d.rows_dropped} rows {d.batches_dropped} batches", style="bold red")
+        else:
+            head.append("delivery: no loss", style="green")
         head.append(
             f"  spooled {d.spooled}  frames {fmt_num(d.frames_received)}  rows {fmt_num(d.rows_stored)}"
             f"  dup {fmt_num(d.duplicates_discarded)}"
@@ -313,7 +316,7 @@ class NodeScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll():
             yield Static(f"Node {self.node_rank}", id="title")
-            yield Static("Step time per rank (ms)", classes="section")
+            yield Static("Step time per rank (ms)", classes="section", id="sparks_title")
             yield SparkList(label_width=7, id="sparks")
             yield Static("Phase breakdown (median of recent steps)", classes="section")
             yield Static("", id="phases")
@@ -343,6 +346,10 @@ class NodeScreen(Screen[None]):
         self.query_one("#sparks", SparkList).set_lines(
             [(f"r{g}", s.values, f"{fmt_ms(s.last())}", "#4fc3f7") for g, s in nd.step_series.items()]
         )
+        title = "Step time per rank (ms)"
+        if len(nd.step_series) < len(nd.ranks):  # the reader draws the first NODE_SPARK_RANKS only
+            title += f" — showing {len(nd.step_series)} of {len(nd.ranks)} ranks"
+        self.query_one("#sparks_title", Static).update(title)
         phases = Text()
         phases.append_text(phase_legend())
         for r in nd.ranks:
@@ -494,14 +501,33 @@ class VerdictsScreen(Screen[None]):
                 text.append("\n\n")
             text.append_text(verdict_text(v, evidence=True))
         self.query_one("#verdicts", Static).update(text)
-        d = ov.header.delivery
-        dt = Text()
-        dt.append(f"dropped {d.dropped}  spooled {d.spooled}\n", style="bold red" if d.dropped else "bold")
-        for source in sorted(d.counters):
-            counters = "  ".join(f"{k} {v}" for k, v in sorted(d.counters[source].items()))
-            dt.append(f"{source}: ", style="dim")
-            dt.append(counters + "\n")
-        self.query_one("#delivery", Static).update(dt)
+        self.query_one("#delivery", Static).update(delivery_text(ov.header.delivery))
+
+
+def delivery_text(d: Delivery) -> Text:
+    """The delivery panel: what was lost (rows and batches apart), then every counter.
+
+    Agent and relay counters arrive summed over senders (``delivery_counters``),
+    so the panel is a few lines at 4096 ranks, not one per sender.
+    """
+    dt = Text()
+    dt.append(
+        f"rows dropped {d.rows_dropped}  batches dropped {d.batches_dropped}  spooled {d.spooled}\n",
+        style="bold red" if d.lost else "bold",
+    )
+    groups: dict[str, list[str]] = {"daemon": [], "agents": [], "relays": []}
+    for name, value in sorted(d.counters.items()):
+        if name.startswith("agent_"):
+            groups["agents"].append(f"{name.removeprefix('agent_')} {value}")
+        elif name.startswith("relay_"):
+            groups["relays"].append(f"{name.removeprefix('relay_')} {value}")
+        elif not name.endswith("_reported"):  # the two totals are the line above
+            groups["daemon"].append(f"{name} {value}")
+    for label, items in groups.items():
+        if items:
+            dt.append(f"{label}: ", style="dim")
+            dt.append("  ".join(items) + "\n")
+    return dt
 
 
 HELP = """\

@@ -1,9 +1,17 @@
 """Synthetic databases for the TUI's tests, benchmark and screenshots.
 
-Writes rows with the real schema (``MIGRATIONS[0]``) and realistic shapes:
-M nodes x N ranks, one straggler rank, host/GPU rows on each node's local
-rank 0 with some values absent, scalars, a deep-dive layers table and an
-FSDP2 model row. Deterministic: no randomness, fixed timestamps.
+Writes rows with realistic shapes: M nodes x N ranks, one straggler rank,
+host/GPU rows on each node's local rank 0 with some values absent, scalars, a
+deep-dive layers table, an FSDP2 model row, and delivery counters under the
+names the daemon, relays (``relay.upstream.RelayStats``) and agents
+(``agent.runtime`` and its tracer) really report. Deterministic: no
+randomness, fixed timestamps.
+
+The schema is the current one, reached the way the daemon reaches it: the rows
+go into a version 1 database, then ``store.migrate.migrate`` (what ``serve``
+runs at start) applies every later step in order, backfilling the history
+tables from the raw steps. ``build(..., version=1)`` stops before that, for
+the readers' fallback on databases an old daemon left behind.
 """
 
 from __future__ import annotations
@@ -11,10 +19,31 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS
+from traceml_daemon.store.migrate import migrate
+from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS, SCHEMA_VERSION
 from traceml_wire.tables import columns
 
 T0 = 1_700_000_000.0  # fixed epoch so snapshots never depend on the clock
+GiB = 2**30
+
+# Counter names as stored in ``delivery``, one list per kind of source. Written out
+# here (not imported) because the daemon side must not import the relay or agent
+# packages; tests/traceml_daemon/tui/test_data.py checks the relay's against RelayStats.
+DAEMON_COUNTERS = (
+    "frames_received", "rows_stored", "duplicates_discarded", "oversize_frames",
+    "refused_peers", "bad_bodies", "protocol_errors", "connections",
+)  # fmt: skip
+RELAY_COUNTERS = (
+    "dropped_batches", "dropped_bytes", "spooled_batches", "spool_dropped_batches", "agents_connected",
+    "refused_agents", "agent_protocol_errors", "received_batches", "duplicate_batches", "rbatches_sent",
+    "rbatches_acked", "upstream_connects",
+)  # fmt: skip
+# A CPU run's agent counters (a CUDA run adds the tracer's events_exhausted);
+# tests/traceml_daemon/tui/test_real_run.py checks all three lists against a real run.
+AGENT_COUNTERS = (
+    "recorder_rows", "sender_batches", "sender_bytes", "agent_errors", "tracer_errors",
+    "device_steps_dropped", "device_steps_fallback", "device_steps_overflow", "steps_dropped", "scalars_dropped",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -27,14 +56,23 @@ class SynthSpec:
     finished: bool = True
     session: str = "run-synth"
     with_detail: bool = True  # scalars, layers, models, process/system/gpu
+    saturated_node: int | None = None  # this node's host: CPU 99% busy, RAM 250 of 256 GiB used
+    # Delivery losses: rank 0's recorder lost rows; node 0's relay lost batches
+    # (spool_dropped_batches is already part of dropped_batches, as in RelayStats).
+    rows_dropped: int = 0
+    relay_dropped_batches: int = 0
+    relay_dropped_bytes: int = 0
+    spool_dropped_batches: int = 0
 
 
 def create_db(path: str) -> sqlite3.Connection:
+    """A version 1 database, as ``store.migrate`` leaves an empty file after its first step."""
     con = sqlite3.connect(path)
     for pragma in PRAGMAS:
         con.execute(pragma)
     for stmt in MIGRATIONS[0]:
         con.execute(stmt)
+    con.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '1'), ('created_at', ?)", (repr(T0),))
     con.commit()
     return con
 
@@ -76,7 +114,15 @@ def step_row(rank_id: int, global_rank: int, step: int, straggler: int | None) -
     )
 
 
-def build(path: str, spec: SynthSpec = SynthSpec()) -> str:
+def _sender(spec: SynthSpec, g: int) -> str:
+    node = g // spec.ranks_per_node
+    return f"{spec.session}/a0/n{node}/r{g}/{1000 + g}-synth"  # an agent's sender id (docs/internals.md)
+
+
+def build(path: str, spec: SynthSpec = SynthSpec(), version: int = SCHEMA_VERSION) -> str:
+    """Write the run of ``spec`` to ``path`` at schema ``version`` (1, or the current one)."""
+    if version not in (1, SCHEMA_VERSION):
+        raise ValueError(f"synth builds schema 1 or {SCHEMA_VERSION}, not {version}")
     con = create_db(path)
     world = spec.nnodes * spec.ranks_per_node
     end = T0 + spec.steps * 0.05
@@ -86,7 +132,7 @@ def build(path: str, spec: SynthSpec = SynthSpec()) -> str:
         ranks.append(
             (
                 g + 1,
-                f"s{g}",
+                _sender(spec, g),
                 spec.session,
                 0,
                 g,
@@ -121,19 +167,38 @@ def build(path: str, spec: SynthSpec = SynthSpec()) -> str:
     )
     if spec.with_detail:
         _detail(con, spec, world)
-    con.executemany(
-        "INSERT INTO delivery (source, counter, value) VALUES (?, ?, ?)",
-        [
-            ("daemon", "frames_received", 400),
-            ("daemon", "rows_stored", len(rows)),
-            ("daemon", "duplicates_discarded", 2),
-            ("relay:0", "rows_dropped", 0),
-            ("relay:1", "spooled_batches", 3),
-        ],
-    )
+    con.executemany("INSERT INTO delivery (source, counter, value) VALUES (?, ?, ?)", _delivery(spec, len(rows)))
     con.commit()
     con.close()
+    if version == SCHEMA_VERSION:
+        migrate(path)
     return path
+
+
+def _delivery(spec: SynthSpec, rows_stored: int) -> list[tuple[str, str, int]]:
+    """Every source's cumulative counters, as the daemon stores them (``counters.py`` prefixes)."""
+    daemon = dict.fromkeys(DAEMON_COUNTERS, 0)
+    daemon.update(frames_received=400, rows_stored=rows_stored, duplicates_discarded=2, connections=spec.nnodes)
+    out = [("daemon", k, v) for k, v in daemon.items()]
+    for node in range(spec.nnodes):
+        relay = dict.fromkeys(RELAY_COUNTERS, 0)
+        relay.update(agents_connected=spec.ranks_per_node, received_batches=100, rbatches_sent=50, rbatches_acked=50)
+        if node == 0:
+            relay.update(
+                dropped_batches=spec.relay_dropped_batches + spec.spool_dropped_batches,
+                dropped_bytes=spec.relay_dropped_bytes,
+                spool_dropped_batches=spec.spool_dropped_batches,
+                spooled_batches=spec.spool_dropped_batches,  # dropped from the spool: spooled first
+            )
+        if node == 1:
+            relay["spooled_batches"] = 3  # delayed by a blip, resent: not a loss
+        out += [(f"relay:relay/{spec.session}/n{node}/{2000 + node}-synth", k, v) for k, v in relay.items()]
+    for g in range(spec.nnodes * spec.ranks_per_node):
+        agent = dict.fromkeys(AGENT_COUNTERS, 0)
+        if g == 0:
+            agent["recorder_rows"] = spec.rows_dropped
+        out += [(f"agent:{_sender(spec, g)}", k, v) for k, v in agent.items()]
+    return out
 
 
 def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
@@ -157,7 +222,8 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
         for i in range(n):
             # Node 1 lacks network counters: absent stays absent.
             net = None if node == 1 else 1e6
-            sys_rows.append((rid, T0 + i, 40.0 + node * 10, 64 * 2**30, 256 * 2**30, net, net, None, None))
+            cpu, used = (99.0, 250 * GiB) if node == spec.saturated_node else (40.0 + node * 10, 64 * GiB)
+            sys_rows.append((rid, T0 + i, cpu, used, 256 * GiB, net, net, None, None))
             for gi in range(spec.ranks_per_node):
                 power = None if gi == 1 else 250.0
                 gpu_rows.append((rid, T0 + i, gi, 90.0 - gi, 40 * 2**30, 80 * 2**30, 60.0 + gi, power))

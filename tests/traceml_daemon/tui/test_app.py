@@ -239,3 +239,47 @@ async def test_poll_reads_only_after_a_commit(tui_db: str) -> None:
         await settle(pilot, count + 1)
         assert app.refresh_count == count + 1
         assert "step 200" in _text(app.screen, "#header")
+
+
+@asynctest
+async def test_losses_show_rows_and_batches_apart_and_bytes_never_count(tmp_path: Path) -> None:
+    spec = SynthSpec(rows_dropped=7, relay_dropped_batches=2, relay_dropped_bytes=5_000_000, spool_dropped_batches=1)
+    app = make_app(build(str(tmp_path / "lossy.db"), spec))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert "LOST 7 rows 3 batches" in _text(app.screen, "#header")
+        await pilot.press("v")
+        await settle(pilot)
+        lines = _text(app.screen, "#delivery").splitlines()
+        assert lines[0] == "rows dropped 7  batches dropped 3  spooled 4"
+        relays = next(line for line in lines if line.startswith("relays:"))
+        assert "dropped_bytes 5000000" in relays and "spool_dropped_batches 1" in relays
+        agents = next(line for line in lines if line.startswith("agents:"))
+        assert "recorder_rows 7" in agents
+
+
+@asynctest
+async def test_node_screen_says_how_many_ranks_have_a_sparkline(tmp_path: Path) -> None:
+    db = build(str(tmp_path / "wide.db"), SynthSpec(nnodes=1, ranks_per_node=70, steps=3, with_detail=False))
+    app = make_app(db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("enter")
+        await settle(pilot)
+        assert isinstance(app.screen, NodeScreen)
+        assert len(app.screen.query_one("#sparks").lines) == 64  # type: ignore[attr-defined]
+        assert "showing 64 of 70 ranks" in _text(app.screen, "#sparks_title")
+        assert app.screen.query_one("#ranks", DataTable).row_count == 70  # the table still lists all
+
+
+@asynctest
+async def test_saturated_host_is_a_live_finding(tmp_path: Path) -> None:
+    app = make_app(build(str(tmp_path / "hot.db"), SynthSpec(saturated_node=1)))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert app.analysis_count >= 1
+        await pilot.press("v")
+        await settle(pilot)
+        findings = _text(app.screen, "#verdicts")
+        assert "HOST_MEM_SATURATED [node 1]" in findings and "HOST_CPU_SATURATED [node 1]" in findings
+        assert "[node 0]" not in findings

@@ -8,16 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from traceml_daemon.store.schema import MIGRATIONS
+from traceml_daemon.store.migrate import migrate
+from traceml_daemon.store.schema import SCHEMA_VERSION
 from traceml_daemon.tui.data import (
+    WINDOW,
+    Analysis,
     Analyzer,
     DatabaseMissing,
+    RankRow,
     TuiData,
     _Buckets,
     _RankState,
     downsample,
     load_window_run,
     median,
+    nodes_from,
     with_analysis,
 )
 from traceml_daemon.tui.synth import SynthSpec, build, step_row
@@ -65,7 +70,9 @@ def test_overview_rows_and_absent_metrics(tui_db: str) -> None:
     ov = data.overview()
     h = ov.header
     assert (h.session, h.nnodes, h.world_size, h.parallelism, h.latest_step) == ("run-synth", 2, 4, "fsdp2", 199)
-    assert h.live is False and h.delivery.spooled == 3 and h.delivery.dropped == 0
+    assert h.live is False and h.delivery.spooled == 3
+    assert (h.delivery.rows_dropped, h.delivery.batches_dropped, h.delivery.lost) == (0, 0, False)
+    assert (h.delivery.frames_received, h.delivery.duplicates_discarded) == (400, 2)
     assert [r.global_rank for r in ov.ranks] == [0, 1, 2, 3]
     r3 = ov.ranks[3]
     assert r3.node_rank == 1 and r3.phase_ms["forward"] == pytest.approx(14.0)
@@ -153,12 +160,12 @@ def test_node_worst_rank_is_the_busiest_as_in_node_views(tmp_path: Path, straggl
     assert with_analysis(plain, analysis).nodes == ov.nodes
 
 
-def _to_v2(db: str, keep_last: int) -> None:
-    """Apply the v2 migration (backfills history from raw steps), then drop old raw steps
-    the way retention does, so only the history knows the start of the run."""
+def _migrate_and_retain(db: str, keep_last: int) -> None:
+    """Open a v1 database the way the daemon does (``migrate`` backfills the history from
+    raw steps), then drop old raw steps the way retention does, so only the history
+    knows the start of the run."""
+    assert migrate(db) == SCHEMA_VERSION
     rw = sqlite3.connect(db)
-    for stmt in MIGRATIONS[1]:
-        rw.execute(stmt)
     (hi,) = rw.execute("SELECT MAX(step) FROM steps").fetchone()
     rw.execute("DELETE FROM steps WHERE step <= ?", (hi - keep_last,))
     rw.commit()
@@ -166,10 +173,10 @@ def _to_v2(db: str, keep_last: int) -> None:
 
 
 def test_overview_series_and_span_cover_the_whole_run_from_history(tmp_path: Path) -> None:
-    db = build(str(tmp_path / "h.db"), SynthSpec(steps=5000, with_detail=False))
+    db = build(str(tmp_path / "h.db"), SynthSpec(steps=5000, with_detail=False), version=1)
     v1 = TuiData(db).overview()
     assert v1.header.history is False and v1.series_label == "step r0"
-    _to_v2(db, keep_last=64)
+    _migrate_and_retain(db, keep_last=64)
     data = TuiData(db, series_points=50)
     ov = data.overview()
     assert ov.header.history is True
@@ -253,3 +260,94 @@ def test_changed_is_true_only_after_a_commit(tui_db: str) -> None:
     assert not data.changed()
     rw.close()
     data.close()
+
+
+# ---- the synthetic database, delivery counters, host findings
+
+
+def test_synth_builds_the_current_schema_with_history(tmp_path: Path) -> None:
+    from traceml_daemon.store.reader import schema_version
+
+    db = build(str(tmp_path / "v.db"), SynthSpec(with_detail=False))
+    ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    assert schema_version(ro) == SCHEMA_VERSION
+    # v2's backfill ran over the raw steps; v3's one-status-row-per-rank index exists.
+    assert ro.execute("SELECT sum(n) FROM node_history WHERE level=64").fetchone()[0] == 4 * 200
+    assert ro.execute("SELECT 1 FROM sqlite_master WHERE name='status_one_per_rank'").fetchone() is not None
+    old = build(str(tmp_path / "v1.db"), SynthSpec(with_detail=False), version=1)
+    assert schema_version(sqlite3.connect(f"file:{old}?mode=ro", uri=True)) == 1
+
+
+def test_sparkline_draws_raw_steps_until_the_history_has_enough_points(tmp_path: Path) -> None:
+    # 200 steps are 4 history points (64 steps each): the raw steps of rank 0 say more.
+    young = TuiData(build(str(tmp_path / "young.db"), SynthSpec(with_detail=False))).overview()
+    assert young.header.history is True and young.header.first_step == 0
+    assert young.series_label == "step r0" and len(young.step_series.values) >= 50
+    # 2500 steps are 40 history points: the whole run across ranks, bounded by the width.
+    long_run = SynthSpec(nnodes=1, ranks_per_node=2, steps=2500, straggler=None, with_detail=False)
+    old = TuiData(build(str(tmp_path / "old.db"), long_run), series_points=50).overview()
+    assert old.series_label == "all ranks" and 32 <= len(old.step_series.values) <= 50
+    assert old.step_series.steps[-1] == 2499
+
+
+def test_delivery_counts_rows_and_batches_apart_and_never_bytes(tmp_path: Path) -> None:
+    spec = SynthSpec(
+        with_detail=False,
+        rows_dropped=7,
+        relay_dropped_batches=2,
+        relay_dropped_bytes=5_000_000,
+        spool_dropped_batches=1,
+    )
+    d = TuiData(build(str(tmp_path / "d.db"), spec)).overview().header.delivery
+    # dropped_batches (3) already holds the spool's drop (1); dropped_bytes is a size, not a count.
+    assert (d.rows_dropped, d.batches_dropped, d.lost) == (7, 3, True)
+    assert d.spooled == 3 + 1  # node 1's resent batches and the one node 0 spooled before dropping it
+    assert d.counters["relay_dropped_bytes"] == 5_000_000  # still listed, as information
+
+
+def test_synth_relay_counters_are_the_relays_own() -> None:
+    from relay.upstream import RelayStats
+    from traceml_daemon.counters import Counters
+    from traceml_daemon.tui.synth import DAEMON_COUNTERS, RELAY_COUNTERS
+
+    assert set(RELAY_COUNTERS) == set(RelayStats().as_dict())
+    assert set(DAEMON_COUNTERS) == set(Counters().as_dict())
+
+
+def test_analyzer_judges_the_newest_host_samples(tmp_path: Path) -> None:
+    db = build(str(tmp_path / "hot.db"), SynthSpec(saturated_node=1))
+    ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    systems = {s.node_rank: s for s in load_window_run(ro).systems}
+    assert set(systems) == {0, 1} and systems[1].mem_total_bytes == 256 * 2**30
+    assert len(systems[1].cpu_pct) == WINDOW < 60  # the newest window of the 60 samples written
+    assert len(systems[1].gpu_util_pct) == 2
+    found = {(v.name, v.scope.get("node_rank")) for v in Analyzer(db).run().verdicts}
+    assert {("HOST_MEM_SATURATED", 1), ("HOST_CPU_SATURATED", 1)} <= found
+    assert not any(name.startswith("HOST_") and node == 0 for name, node in found)
+
+
+def test_data_module_does_not_import_textual() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, traceml_daemon.tui.data; print(sorted(m for m in sys.modules if m.split('.')[0] == 'textual'))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_busier_node_sorts_first_even_when_its_step_median_is_a_hair_lower() -> None:
+    # DDP: both nodes' step medians are the all-reduce's, equal up to noise (the demo
+    # showed 36.1 vs 35.7 ms with the slow rank on the lower one).
+    def rank(global_rank: int, node: int, step_ms: float) -> RankRow:
+        return RankRow(global_rank, global_rank, global_rank % 2, node, "vm", 100, 99, step_ms, {}, None, None)
+
+    rows = [rank(0, 0, 36.1), rank(1, 0, 36.2), rank(2, 1, 35.6), rank(3, 1, 35.8)]
+    views = {
+        0: {"worst_rank": {"global_rank": 0, "busy_ms_median": 2.2}, "busy_ms_median": 2.1},
+        1: {"worst_rank": {"global_rank": 3, "busy_ms_median": 27.5}, "busy_ms_median": 14.8},
+    }
+    ordered = nodes_from(rows, Analysis(available=True, nodes=views))
+    assert [n.node_rank for n in ordered] == [1, 0]
+    assert ordered[0].worst_rank == 3
+    # Before any analysis there is no busy time: the step median decides.
+    assert [n.node_rank for n in nodes_from(rows)] == [0, 1]
