@@ -61,7 +61,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slow-ranks", default="", help="comma-separated global ranks whose collate sleeps")
     p.add_argument("--slow-nodes", default="", help="comma-separated node ranks (GROUP_RANK) whose collate sleeps")
     p.add_argument("--slow-ms", type=float, default=20.0, help="collate sleep of a slow rank, ms")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and each rank's data")
+    p.add_argument(
+        "--perturb-from",
+        type=int,
+        default=None,
+        metavar="K",
+        help="from step K on (0-based), shift every target by --perturb-by: a run that "
+        "matches the unperturbed one bit for bit up to step K-1 (for `traceml-daemon compare`)",
+    )
+    p.add_argument("--perturb-by", type=float, default=1.0, help="target shift of --perturb-from")
     return p.parse_args()
 
 
@@ -99,7 +108,11 @@ def main() -> None:
     dataset = SyntheticDataset(args.steps * args.batch, args.dim, seed=args.seed + rank)
     loader = DataLoader(dataset, batch_size=args.batch, collate_fn=SlowCollate(args.slow_ms / 1000 if slow else 0.0))
 
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader):
+        if args.perturb_from is not None and step >= args.perturb_from:
+            # The data, not the lr: step K's own loss is computed from the shifted targets, so the
+            # first logged loss that differs is step K's (an lr change would first show at K+1).
+            y = y + args.perturb_by
         with agent.trace_step(model):
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=True)

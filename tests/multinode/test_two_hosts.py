@@ -34,7 +34,8 @@ def _start_daemon(hosts: tuple[Host, Host], db: Path, tmp_path: Path) -> DaemonP
     return DaemonProcess(db, host="0.0.0.0", args=["--token-file", str(token_file)], netns=hosts[0].netns).start()
 
 
-def _run_job(hosts: tuple[Host, Host], daemon: DaemonProcess, extra: list[str]) -> None:
+def _run_job(hosts: tuple[Host, Host], daemon: DaemonProcess, extra: list[str],
+             script: Path = EXAMPLES / "train.py") -> None:
     master_port = free_port()
     relay_port = str(free_port())  # the same number on both hosts: each has its own loopback
     jobs = []
@@ -45,7 +46,7 @@ def _run_job(hosts: tuple[Host, Host], daemon: DaemonProcess, extra: list[str]) 
         cmd = host.exec_prefix() + [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--node-rank", str(node), "--master-addr", hosts[0].address, "--master-port", str(master_port),
-            str(EXAMPLES / "train.py"), "--steps", str(STEPS), *extra]
+            str(script), "--steps", str(STEPS), *extra]
         jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [job.communicate(timeout=300)[0] for job in jobs]
     for job, out in zip(jobs, outputs, strict=True):
@@ -61,7 +62,8 @@ def test_ddp_across_two_hosts_attributes_every_rank_and_names_slow_node(
 ) -> None:
     db = tmp_path / "two_hosts.db"
     with _start_daemon(hosts, db, tmp_path) as daemon:
-        _run_job(hosts, daemon, ["--slow-nodes", "1", "--slow-ms", "30"])
+        # The node-straggler scenario is the artifact under test: every rank of node 1 collates slowly.
+        _run_job(hosts, daemon, ["--ms", "30"], script=EXAMPLES / "scenarios" / "node_straggler.py")
         s = wait_for_steps(db, ranks=4, steps=STEPS)
     assert s["topology"]["nnodes"] == 2 and s["topology"]["world_size"] == 4
     ranks = _by_rank(s)
@@ -75,6 +77,14 @@ def test_ddp_across_two_hosts_attributes_every_rank_and_names_slow_node(
     assert min(slow[2:]) > 5 * max(slow[:2]), slow
     node_verdicts = [v for v in s["verdicts"] if v["scope"].get("node_rank") == 1]
     assert any(v["name"] == "NODE_STRAGGLER" for v in node_verdicts), s["verdicts"]
+    (node_straggler,) = [v for v in s["verdicts"] if v["name"] == "NODE_STRAGGLER"]
+    # Node 1 only, blamed on its input phase, covering both its ranks; its ranks get no
+    # separate straggler verdicts and node 0's ranks none at all.
+    assert node_straggler["scope"] == {"node_rank": 1}, node_straggler
+    assert node_straggler["evidence"]["phase"] == "dataloader" and node_straggler["evidence"]["ranks"] == "2-3"
+    assert "dataloader" in node_straggler["why"], node_straggler
+    rank_stragglers = [v for v in s["verdicts"] if v["name"].endswith("STRAGGLER") and "global_rank" in v["scope"]]
+    assert rank_stragglers == [], rank_stragglers
     with sqlite3.connect(db) as conn:
         nodes_with_system = {n for (n,) in conn.execute(
             "SELECT DISTINCT r.node_rank FROM system s JOIN ranks r USING (rank_id)")}

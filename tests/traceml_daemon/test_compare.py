@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from traceml_daemon.analysis.compare import compare_runs, scalar_key, split_key, ulp_distance
+from traceml_daemon.analysis.compare import compare_runs, format_compare, scalar_key, split_key, ulp_distance
+from traceml_daemon.analysis.model import RunData
 from traceml_daemon.compare import load_run, main
 from traceml_daemon.store.schema import MIGRATIONS
 
@@ -124,6 +125,48 @@ def test_verdict_changes(tmp_path: Path) -> None:
     res = compare_runs(a[0], b[0], a[1], b[1])
     assert "INPUT_STRAGGLER" in res["verdicts"]["only_b"]
     assert "COMPUTE_BOUND" in res["verdicts"]["only_a"]
+
+
+def _input_straggler(run: RunData, rank: int) -> RunData:
+    r = next(r for r in run.ranks if r.global_rank == rank)
+    r.phases_ns["dataloader"] = [100 * MS] * 40
+    r.step_ns = [200 * MS] * 40
+    return run
+
+
+def test_straggler_moving_to_another_rank_is_reported(tmp_path: Path) -> None:
+    pa, pb = make_db(tmp_path / "a.db", 50.0, LOSSES, ranks=4), make_db(tmp_path / "b.db", 50.0, LOSSES, ranks=4)
+    (ra, sa), (rb, sb) = load_run(str(pa)), load_run(str(pb))
+    res = compare_runs(_input_straggler(ra, 1), _input_straggler(rb, 3), sa, sb)
+    v = res["verdicts"]
+    # The same verdict name in both runs: by name alone nothing changed.
+    assert "INPUT_STRAGGLER" not in v["only_a"] + v["only_b"]
+    rank1, rank3 = {"global_rank": 1, "node_rank": 0}, {"global_rank": 3, "node_rank": 0}
+    assert {"name": "INPUT_STRAGGLER", "scope": rank1} in v["scoped_only_a"]
+    assert {"name": "INPUT_STRAGGLER", "scope": rank3} in v["scoped_only_b"]
+    (moved,) = [m for m in v["moved"] if m["name"] == "INPUT_STRAGGLER"]
+    assert moved["from"] == [rank1] and moved["to"] == [rank3]
+    assert moved["a"] == [rank1] and moved["b"] == [rank3]
+    assert "Verdict moved: INPUT_STRAGGLER rank 1 (node 0) -> rank 3 (node 0)" in format_compare(res)
+
+
+def test_added_culprit_is_a_move_and_same_culprit_is_not(tmp_path: Path) -> None:
+    pa, pb = make_db(tmp_path / "a.db", 50.0, LOSSES, ranks=4), make_db(tmp_path / "b.db", 50.0, LOSSES, ranks=4)
+
+    def straggling(path: Path, *ranks: int) -> tuple[RunData, dict]:
+        run, scalars = load_run(str(path))
+        for r in ranks:
+            _input_straggler(run, r)
+        return run, scalars
+
+    (ra, sa), (rb, sb) = straggling(pa, 1), straggling(pb, 1)
+    same = compare_runs(ra, rb, sa, sb)["verdicts"]
+    assert same["moved"] == [] and same["scoped_only_a"] == [] and same["scoped_only_b"] == []
+    rc, sc = straggling(pb, 1, 3)
+    wider = compare_runs(ra, rc, sa, sc)["verdicts"]
+    (moved,) = [m for m in wider["moved"] if m["name"] == "INPUT_STRAGGLER"]
+    assert moved["from"] == [] and moved["to"] == [{"global_rank": 3, "node_rank": 0}]
+    assert moved["b"] == [{"global_rank": 1, "node_rank": 0}, {"global_rank": 3, "node_rank": 0}]
 
 
 def test_cli_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""Compare two runs: step/phase median deltas, verdict changes, first divergent scalar.
+"""Compare two runs: step/phase median deltas, verdict changes (by name and culprit), first divergent scalar.
 
 Pure (no I/O). Scalars are keyed by ``scalar_key(name, rank)`` and hold
 (step, value) pairs. Divergence is measured in float64 ULPs (units in the last
@@ -12,7 +12,7 @@ import struct
 from typing import Any
 
 from traceml_daemon.analysis.engine import diagnose
-from traceml_daemon.analysis.model import PHASES, RunData
+from traceml_daemon.analysis.model import PHASES, RunData, Verdict
 from traceml_daemon.analysis.policy import DEFAULT_POLICY, ComparePolicy, Policy
 from traceml_daemon.analysis.stats import median, round_ms
 from traceml_daemon.analysis.window import profiles
@@ -155,18 +155,73 @@ def compare_runs(
     deltas = [_delta("step", ma["step_ms"], mb["step_ms"], policy.compare)]
     deltas += [_delta(ph, ma["phases_ms"][ph], mb["phases_ms"][ph], policy.compare) for ph in PHASES]
     va, vb = diagnose(a, policy), diagnose(b, policy)
-    names_a, names_b = {v.name for v in va}, {v.name for v in vb}
     return {
         "a": {"ranks": ma["ranks"], "steps": ma["steps"]},
         "b": {"ranks": mb["ranks"], "steps": mb["steps"]},
         "deltas": deltas,
-        "verdicts": {
-            "a": [v.to_json() for v in va],
-            "b": [v.to_json() for v in vb],
-            "only_a": sorted(names_a - names_b),
-            "only_b": sorted(names_b - names_a),
-        },
+        "verdicts": {"a": [v.to_json() for v in va], "b": [v.to_json() for v in vb], **verdict_changes(va, vb)},
         "scalars": compare_scalars(scalars_a, scalars_b, ulp),
+    }
+
+
+ScopeKey = tuple[tuple[str, int], ...]
+
+
+def _scope_key(scope: dict[str, int]) -> ScopeKey:
+    return tuple(sorted(scope.items()))
+
+
+def scope_label(scope: dict[str, int]) -> str:
+    """'rank 1 (node 0)', 'node 1' or 'run': who a verdict blames."""
+    rank, node = scope.get("global_rank"), scope.get("node_rank")
+    if rank is not None:
+        return f"rank {rank}" + (f" (node {node})" if node is not None else "")
+    return f"node {node}" if node is not None else "run"
+
+
+def _scope_order(key: ScopeKey) -> tuple[int, int, int]:
+    # Run-wide first, then nodes, then ranks, each by number: the order a reader scans in.
+    d = dict(key)
+    rank, node = d.get("global_rank"), d.get("node_rank")
+    return (0 if rank is None and node is None else 1 if rank is None else 2, node or 0, rank or 0)
+
+
+def verdict_changes(va: list[Verdict], vb: list[Verdict]) -> dict[str, Any]:
+    """Verdicts of B against A, identified by (name, scope).
+
+    By name alone a straggler that moved from rank 1 to rank 3 looks unchanged,
+    although the culprit is a different GPU; so besides the names found in one
+    run only (``only_a``/``only_b``), every (name, scope) of one run missing from
+    the other is listed, and ``moved`` names the verdicts both runs raise with
+    different culprits (``from``/``to``: the scopes found only in A / only in B;
+    one of them is empty when a culprit was added or cleared)."""
+    ka = {(v.name, _scope_key(v.scope)) for v in va}
+    kb = {(v.name, _scope_key(v.scope)) for v in vb}
+    names_a, names_b = {n for n, _ in ka}, {n for n, _ in kb}
+
+    def listed(keys: set[tuple[str, ScopeKey]]) -> list[dict[str, Any]]:
+        return [{"name": n, "scope": dict(k)} for n, k in sorted(keys, key=lambda t: (t[0], _scope_order(t[1])))]
+
+    def scopes(keys: set[tuple[str, ScopeKey]], name: str) -> list[dict[str, int]]:
+        return [dict(k) for k in sorted((k for n, k in keys if n == name), key=_scope_order)]
+
+    moved = [
+        {
+            "name": name,
+            "a": scopes(ka, name),
+            "b": scopes(kb, name),
+            "from": scopes(ka - kb, name),
+            "to": scopes(kb - ka, name),
+        }
+        for name in sorted(names_a & names_b)
+        if scopes(ka, name) != scopes(kb, name)
+    ]
+    return {
+        "only_a": sorted(names_a - names_b),
+        "only_b": sorted(names_b - names_a),
+        "scoped_only_a": listed(ka - kb),
+        "scoped_only_b": listed(kb - ka),
+        "moved": moved,
     }
 
 
@@ -191,6 +246,11 @@ def format_compare(result: dict[str, Any]) -> str:
     v = result["verdicts"]
     lines.append("Verdicts only in A: " + (", ".join(v["only_a"]) or "none"))
     lines.append("Verdicts only in B: " + (", ".join(v["only_b"]) or "none"))
+    for m in v.get("moved", []):
+        lines.append(
+            f"Verdict moved: {m['name']} "
+            f"{', '.join(scope_label(sc) for sc in m['a'])} -> {', '.join(scope_label(sc) for sc in m['b'])}"
+        )
     s = result["scalars"]
     tol = "bitwise" if s["ulp"] == 0 else f"within {s['ulp']} ULP"
     if not s["series_compared"]:

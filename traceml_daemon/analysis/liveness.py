@@ -71,7 +71,7 @@ def liveness_verdicts(run: RunData, policy: LivenessPolicy) -> list[Verdict]:
     if not run.live or run.now is None:
         return []
     now = run.now
-    step_s = median(v for r in run.ranks for v in r.step_ns[-50:])
+    step_s = median(v for r in run.ranks for v in r.step_ns[-policy.step_median_window :])
     limit = max(policy.stall_s, policy.stall_step_factor * (step_s or 0.0) / 1e9)
     running = [r for r in run.ranks if not (r.status is not None and r.status.finished)]
     stalls = [s for r in running if (s := _stall_of(r, now, limit)) is not None]

@@ -35,6 +35,9 @@ class StragglerPolicy:
     critical_excess_frac: float = 0.50
     explain_frac: float = 0.50  # a phase group must explain this share of the gap to be named
     node_min_ranks: int = 2  # a "node" verdict needs a node with at least this many ranks
+    # The why text says how much longer the others wait for the straggler in the
+    # collective only above this: a smaller difference is timer noise, not evidence.
+    wait_gap_min_ms: float = 0.5
     max_rank_verdicts: int = 16  # beyond this, stragglers are listed in one run verdict
 
 
@@ -58,6 +61,7 @@ class SystemPolicy:
     low_gpu_util_pct: float = 50.0
     hot_gpu_c: float = 85.0
     host_mem_frac: float = 0.95
+    host_mem_critical_frac: float = 0.99  # used / total: the OOM killer or swap is imminent
     host_cpu_pct: float = 95.0
 
 
@@ -67,6 +71,9 @@ class LivenessPolicy:
     # timeout (NCCL/gloo default to minutes), so the evidence is still there.
     stall_s: float = 15.0
     stall_step_factor: float = 20.0  # ... or this many median steps, whichever is longer
+    # Each rank's last N steps give that median: recent enough to follow a run that
+    # slowed down, long enough that one slow step does not stretch the limit.
+    step_median_window: int = 50
     max_rank_verdicts: int = 16
 
 

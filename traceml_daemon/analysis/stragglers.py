@@ -161,13 +161,13 @@ def _evidence(e: Excess, phase: str | None) -> dict[str, object]:
     return ev
 
 
-def _gap_text(e: Excess, phase: str | None) -> str:
+def _gap_text(e: Excess, phase: str | None, policy: StragglerPolicy) -> str:
     if phase is not None:
         lead = f"{phase} +{e.phase_excess[phase]:.1f} ms vs the others' median"
     else:
         lead = f"+{e.excess_ms:.1f} ms of work not in any measured phase"
     text = f"{lead} (busy {e.busy_ms:.1f} ms vs {e.others_busy_ms:.1f} ms)"
-    if e.wait_ms is not None and e.others_wait_ms is not None and e.others_wait_ms - e.wait_ms > 0.5:
+    if e.wait_ms is not None and e.others_wait_ms is not None and e.others_wait_ms - e.wait_ms > policy.wait_gap_min_ms:
         text += f"; the others wait {e.others_wait_ms - e.wait_ms:.1f} ms more for it in the collective"
     return text
 
@@ -191,7 +191,12 @@ def rank_verdicts(
         ev["stragglers_total"] = len(kept)
         out.append(
             Verdict(
-                name, _severity(e, policy), scope, f"{where} is a straggler: {_gap_text(e, phase)}", ev, _NEXT[group]
+                name,
+                _severity(e, policy),
+                scope,
+                f"{where} is a straggler: {_gap_text(e, phase, policy)}",
+                ev,
+                _NEXT[group],
             )
         )
     return out
@@ -204,7 +209,7 @@ def node_verdicts(excesses: list[Excess], policy: StragglerPolicy, phases_ok: bo
         ev = _evidence(e, phase)
         ev["ranks"] = rank_ranges(e.ranks)
         what = f"in {phase}" if phase else "outside the measured phases"
-        why = f"every rank of node {e.node_rank} (ranks {rank_ranges(e.ranks)}) is slow {what}: {_gap_text(e, phase)}"
+        why = f"every rank of node {e.node_rank} (ranks {rank_ranges(e.ranks)}) is slow {what}: {_gap_text(e, phase, policy)}"
         out.append(
             Verdict("NODE_STRAGGLER", _severity(e, policy), {"node_rank": e.node_rank or 0}, why, ev, _NODE_NEXT[group])
         )

@@ -62,7 +62,7 @@ def node_system_verdicts(node: NodeSystem, policy: SystemPolicy) -> list[Verdict
             out.append(
                 Verdict(
                     "HOST_MEM_SATURATED",
-                    "critical" if frac >= 0.99 else "warn",
+                    "critical" if frac >= policy.host_mem_critical_frac else "warn",
                     scope,
                     f"{name}: host RAM {frac:.0%} used ({(median(used) or 0.0) / GiB:.1f} of {node.mem_total_bytes / GiB:.1f} GiB)",
                     {
