@@ -162,3 +162,23 @@ def test_ring_skips_none_and_keeps_the_newest_measured_values() -> None:
     ring.extend([1, None, 2])
     ring.extend([None, 3, 4.0, None])
     assert list(ring) == [2, 3, 4]
+
+
+def test_writer_connection_takes_the_policy_cache_and_checkpoint_sizes(tmp_path: Path) -> None:
+    db = tmp_path / "p.db"
+    policy = IngestPolicy(sqlite_cache_kib=12_345, wal_autocheckpoint_pages=4321)
+
+    async def run() -> tuple[int, int, int]:
+        writer = StoreWriter(str(db), policy=policy)
+        await writer.open()
+        assert writer._db is not None
+        async with writer._db.execute("PRAGMA cache_size") as cur:
+            cache = (await cur.fetchone())[0]  # type: ignore[index]
+        async with writer._db.execute("PRAGMA wal_autocheckpoint") as cur:
+            checkpoint = (await cur.fetchone())[0]  # type: ignore[index]
+        assert await writer.write([batch(1, [0], 0, 10)])
+        await writer.close()
+        return cache, checkpoint, ro(db).execute("SELECT count(*) FROM steps").fetchone()[0]
+
+    # A negative cache_size is KiB; the rows still land.
+    assert asyncio.run(run()) == (-12_345, 4321, 10)

@@ -44,6 +44,26 @@ class IngestPolicy:
     # Cleaned rbatch peer identities cached per connection (a relay repeats each of its
     # agents' identities in every rbatch); past this many senders the cache starts over.
     identity_cache_entries: int = 65_536
+    # SQLite page cache of the writer's connection, KiB (SQLite's default is 2 MiB).
+    # With R ranks every commit appends to each sending rank's tail of the per-rank
+    # indexes (steps_by_rank, process_by_rank): once those tails sit on pages of their
+    # own (about 40 s into a 4096-rank run) the hot set is ~2 pages per rank, 32 MiB
+    # at 4096 ranks, and a 2 MiB cache re-reads most of them from the WAL on every
+    # commit. Counted in the daemon's RSS only as pages are touched.
+    sqlite_cache_kib: int = 48 * 1024
+    # Pages in the WAL before SQLite checkpoints it back into the database (SQLite's
+    # default is 1000, 4 MiB). At tens of MB/s of commits the default checkpoints
+    # several times a second and copies the same hot index pages every time; a
+    # larger WAL copies each page once per checkpoint however often it was rewritten.
+    # The WAL file grows to about this many pages (x 4 KiB) before it is reused.
+    wal_autocheckpoint_pages: int = 16_384
+
+    def writer_pragmas(self) -> list[str]:
+        """Connection settings of the writer on top of ``schema.PRAGMAS``."""
+        return [
+            f"PRAGMA cache_size=-{self.sqlite_cache_kib}",
+            f"PRAGMA wal_autocheckpoint={self.wal_autocheckpoint_pages}",
+        ]
 
     def history_interval_for(self, ranks: int) -> float:
         """Seconds between history writes with ``ranks`` ranks known."""

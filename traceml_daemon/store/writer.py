@@ -310,7 +310,7 @@ class StoreWriter:
             gc.set_threshold(max(young, self.policy.gc_young_threshold), *older)
             gc.freeze()
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
-        for pragma in PRAGMAS:
+        for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
             await self._db.execute(pragma)
         known: dict[str, RankState] = {}
         top = 0
