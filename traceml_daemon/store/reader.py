@@ -253,14 +253,6 @@ def fsdp2_memory(conn: sqlite3.Connection, rank_id: int) -> dict[str, int] | Non
     return {"local_shard_bytes": row[0], "estimated_full_bytes": row[1]}
 
 
-def delivery_raw(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
-    """source -> counter -> value, exactly as stored."""
-    out: dict[str, dict[str, int]] = {}
-    for source, counter, value in conn.execute("SELECT source, counter, value FROM delivery"):
-        out.setdefault(source, {})[counter] = value
-    return out
-
-
 # Agent counters that are lost rows (each unit one row or one step row) and
 # lost batches (each an unknown number of rows). Everything else an agent
 # reports (errors, fallbacks) is informative, summed under ``agent_<name>``:
@@ -278,7 +270,6 @@ def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
     """Flat counters for the summary: the daemon's own; rows and batches that an
     agent or relay reported lost; every other agent and relay counter summed
     under ``agent_<counter>`` / ``relay_<counter>``."""
-    raw = delivery_raw(conn)
     out: dict[str, int] = {
         "frames_received": 0,
         "rows_stored": 0,
@@ -288,17 +279,25 @@ def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
         "oversize_frames": 0,
         "refused_peers": 0,
     }
-    out.update(raw.get(DAEMON_SOURCE, {}))
-    for source, counters in raw.items():
-        if source.startswith(AGENT_PREFIX):
-            prefix = "agent_"
-            out["rows_dropped_reported"] += sum(counters.get(k, 0) for k in AGENT_ROW_DROPS)
-            out["batches_dropped_reported"] += sum(counters.get(k, 0) for k in AGENT_BATCH_DROPS)
-        elif source.startswith(RELAY_PREFIX):
-            prefix = "relay_"
-            out["batches_dropped_reported"] += sum(counters.get(k, 0) for k in RELAY_BATCH_DROPS)
-        else:
+    # Summed per kind of source in SQL: with thousands of senders the table holds
+    # tens of thousands of rows and the TUI reads this while a run is live.
+    by_kind = conn.execute(
+        "SELECT CASE WHEN source = ? THEN 'daemon' WHEN substr(source, 1, ?) = ? THEN 'agent' "
+        "WHEN substr(source, 1, ?) = ? THEN 'relay' END AS kind, counter, sum(value) "
+        "FROM delivery GROUP BY kind, counter HAVING kind IS NOT NULL",
+        (DAEMON_SOURCE, len(AGENT_PREFIX), AGENT_PREFIX, len(RELAY_PREFIX), RELAY_PREFIX),
+    )
+    for kind, counter, value in by_kind:
+        if kind == "daemon":
+            out[counter] = value
             continue
-        for name, value in counters.items():
-            out[prefix + name] = out.get(prefix + name, 0) + value
+        if kind == "agent":
+            if counter in AGENT_ROW_DROPS:
+                out["rows_dropped_reported"] += value
+            elif counter in AGENT_BATCH_DROPS:
+                out["batches_dropped_reported"] += value
+        elif counter in RELAY_BATCH_DROPS:
+            out["batches_dropped_reported"] += value
+        name = f"{kind}_{counter}"
+        out[name] = out.get(name, 0) + value
     return out
