@@ -7,7 +7,7 @@ with the daemon unreachable and reports the agent's extra resident memory
 (RSS after the run minus RSS after warm-up) against the same loop with
 TRACEML_DISABLE=1.
 
-    python bench/unreachable.py [--rounds 3] [--steps 1500] [--memory-steps 100000]
+    python bench/unreachable.py [--rounds 7] [--steps 10000] [--memory-steps 100000]
 
 Ends with one JSON line holding every figure.
 """
@@ -82,8 +82,8 @@ def _run(env: dict[str, str], steps: int, width: int, memory: bool = False) -> d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--width", type=int, default=256, help="MLP width (sets the step cost)")
     p.add_argument("--memory-steps", type=int, default=100_000)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
