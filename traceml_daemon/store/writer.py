@@ -2,9 +2,10 @@
 
 One task, one aiosqlite connection (its own thread), so the event loop never
 blocks on disk and there is never write contention. Each transaction holds
-every queued batch (up to ``max_txn_bytes``): rows go in with one executemany
-per table, ranks and their dedup high-water marks are upserted, counters are
-stored, and only after COMMIT are the senders acknowledged.
+every queued batch (up to ``max_txn_bytes``): rows go in as multi-row INSERTs
+per table (see below for why not ``executemany``), ranks and their dedup
+high-water marks are upserted, counters are stored, and only after COMMIT are
+the senders acknowledged.
 
 Two things keep a 2-core machine fed:
 
