@@ -16,7 +16,7 @@ import signal
 import socket
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,18 +230,17 @@ class DaemonServer:
     # ------------------------------------------------------------ connections
 
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._tg is None:
-            writer.close()
-            return
-        task = self._tg.create_task(self._handle(reader, writer))
-        self._conns.add(task)
-        task.add_done_callback(self._conns.discard)
+        self._spawn(lambda: self._handle(reader, writer), writer.close)
 
     def _on_tls_accept(self, conn: socket.socket, addr: Any) -> None:
+        self._spawn(lambda: self._tls_handshake(conn, addr), conn.close)
+
+    def _spawn(self, conversation: Callable[[], Coroutine[Any, Any, None]], close: Callable[[], None]) -> None:
+        """Run one peer's conversation in the server's task group (closed at once after shutdown)."""
         if self._tg is None:
-            conn.close()
+            close()
             return
-        task = self._tg.create_task(self._tls_handshake(conn, addr))
+        task = self._tg.create_task(conversation())
         self._conns.add(task)
         task.add_done_callback(self._conns.discard)
 

@@ -8,7 +8,14 @@ import struct
 from pathlib import Path
 
 from tests.support.procs import DaemonProcess, base_env, wait_for
-from tests.traceml_daemon.wire_client import WireClient, agent_sender, steps_body
+from tests.traceml_daemon.wire_client import (
+    WireClient,
+    agent_sender,
+    count_steps,
+    daemon_counters,
+    peers_for,
+    steps_body,
+)
 from traceml_daemon.session import Batch, Failed, Hello, PeerSession, Refused, State
 from traceml_wire import auth, messages
 from traceml_wire.framing import encode_frame
@@ -16,24 +23,7 @@ from traceml_wire.framing import encode_frame
 RELAY = "relay/s1/n0/1-r"
 
 
-def count_steps(db: Path) -> int:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-    finally:
-        conn.close()
 
-
-def daemon_counters(db: Path) -> dict[str, int]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return dict(conn.execute("SELECT counter, value FROM delivery WHERE source='daemon'").fetchall())
-    finally:
-        conn.close()
-
-
-def peers_for(*ranks: int) -> dict[str, dict[str, int]]:
-    return {agent_sender("s1", r): {"global_rank": r, "local_rank": r, "node_rank": 0, "world_size": len(ranks)} for r in ranks}
 
 
 def test_ack_only_after_rows_are_committed_and_resend_is_deduplicated(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ pre-hello frame cap, driven by real sockets speaking the real wire.
 from __future__ import annotations
 
 import socket
-import sqlite3
 import ssl
 import struct
 import subprocess
@@ -17,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import DaemonProcess, wait_for
-from tests.traceml_daemon.wire_client import WireClient, agent_sender, steps_body
+from tests.traceml_daemon.wire_client import (
+    WireClient,
+    agent_sender,
+    count_steps,
+    daemon_counters,
+    peers_for,
+    steps_body,
+)
 from traceml_daemon.server import PRE_HELLO_MAX_FRAME_BYTES
 from traceml_wire import auth, messages
 from traceml_wire.framing import encode_frame
@@ -71,25 +77,7 @@ def tls_client(port: int, ca: Path) -> WireClient:
     return client
 
 
-def count_steps(db: Path) -> int:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-    finally:
-        conn.close()
 
-
-def daemon_counters(db: Path) -> dict[str, int]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return dict(conn.execute("SELECT counter, value FROM delivery WHERE source='daemon'").fetchall())
-    finally:
-        conn.close()
-
-
-def peers_for(*ranks: int) -> dict[str, dict[str, int]]:
-    return {agent_sender("s1", r): {"global_rank": r, "local_rank": r, "node_rank": 0, "world_size": len(ranks)}
-            for r in ranks}
 
 
 def tls_args(certs: Certs) -> list[str]:

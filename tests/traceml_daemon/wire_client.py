@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 from traceml_wire import auth, messages
@@ -76,3 +78,27 @@ class WireClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def count_steps(db: Path) -> int:
+    """Step rows stored in ``db`` (read-only, beside a live daemon)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def daemon_counters(db: Path) -> dict[str, int]:
+    """The daemon's own delivery counters as stored in ``db``."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT counter, value FROM delivery WHERE source='daemon'").fetchall())
+    finally:
+        conn.close()
+
+
+def peers_for(*ranks: int) -> dict[str, dict[str, int]]:
+    """An rbatch's peers map for agents of session s1, node 0, with these global ranks."""
+    return {agent_sender("s1", r): {"global_rank": r, "local_rank": r, "node_rank": 0, "world_size": len(ranks)}
+            for r in ranks}
