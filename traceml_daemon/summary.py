@@ -50,7 +50,7 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
     fsdp2 = reader.fsdp2_memory(conn, row.rank_id)
     if fsdp2 is not None:
         memory["fsdp2"] = fsdp2
-    return {
+    entry = {
         "global_rank": row.global_rank,
         "local_rank": row.local_rank,
         "node_rank": row.node_rank,
@@ -58,10 +58,17 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
         "steps": len(data.steps),
         "first_step": data.steps[0] if data.steps else None,
         "last_step": data.steps[-1] if data.steps else None,
+        # Steps the medians and verdicts read: all of them, or a long run's sample.
+        "steps_analysed": len(data.steps),
         "step_ms_median": _median_ms(data.step_ns),
         "phases_ms_median": {p: _median_ms(data.phases_ns.get(p, [])) for p in PHASES},
         "memory": memory,
     }
+    if data.steps_stored is not None and data.steps_stored != len(data.steps):
+        # A sample of a long run: count and bounds are the stored ones, exactly.
+        counts = reader.step_counts(conn, row.rank_id)
+        entry.update(steps=counts.total, first_step=counts.first, last_step=counts.last)
+    return entry
 
 
 def build_summary(db_path: str) -> dict[str, Any]:
@@ -86,7 +93,7 @@ def build_summary(db_path: str) -> dict[str, Any]:
         if run_ref is None:
             return summary
         rows = reader.load_ranks(conn, run_ref)
-        run = reader.load_run(conn, run_ref)
+        run = reader.load_run(conn, run_ref, budget_rows=reader.SAMPLE_BUDGET_ROWS)
         if _is_live(run):
             run.live, run.now = True, time.time()
         ranks = [_rank_entry(conn, row, data) for row, data in zip(rows, run.ranks, strict=True)]
@@ -135,6 +142,17 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _ranks_title(ranks: list[dict[str, Any]]) -> str:
+    sampled = [r for r in ranks if r.get("steps_analysed", r["steps"]) != r["steps"]]
+    if not sampled:
+        return "Ranks (medians over all steps, ms)"
+    least = min(r["steps_analysed"] for r in sampled)
+    return (
+        f"Ranks (medians, ms; a long run: {len(sampled)} rank(s) read as a uniform sample of "
+        f">= {least:,} steps, the newest {reader.SAMPLE_TAIL_STEPS:,} all included)"
+    )
+
+
 def render_text(summary: dict[str, Any]) -> str:
     """Primary verdict first (why, what to try next, evidence), then the tables."""
     topo = summary["topology"]
@@ -147,7 +165,7 @@ def render_text(summary: dict[str, Any]) -> str:
         "",
         format_verdicts(verdicts),
         "",
-        "Ranks (medians over all steps, ms)",
+        _ranks_title(summary["ranks"]),
     ]
     headers = ["rank", "node", "local", "host", "steps", "step", *PHASES, "peak", "rss"]
     rows = [

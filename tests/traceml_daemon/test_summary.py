@@ -82,3 +82,66 @@ def test_summary_errors_name_the_path(tmp_path: Path) -> None:
     bogus.write_text("not sqlite at all " * 100)
     done = summary(bogus)
     assert done.returncode == 2 and str(bogus) in done.stderr and "not a traceml database" in done.stderr
+
+
+def test_long_run_is_summarised_from_a_bounded_sample_with_exact_counts(tmp_path: Path, monkeypatch) -> None:
+    import sqlite3
+
+    from traceml_daemon import summary as summary_module
+    from traceml_daemon.store import reader
+    from traceml_daemon.tui.synth import SynthSpec, build
+
+    db = tmp_path / "long.db"
+    build(str(db), SynthSpec(nnodes=1, ranks_per_node=2, steps=3000, straggler=1, with_detail=False))
+    full = summary_module.build_summary(str(db))
+    # A budget of 1,000 rows for 2 ranks: 500 each at most (SAMPLE_MIN_STEPS lowered to
+    # let the small run stand for a long one), the newest 100 dense.
+    monkeypatch.setattr(reader, "SAMPLE_BUDGET_ROWS", 1_000)
+    monkeypatch.setattr(reader, "SAMPLE_MIN_STEPS", 100)
+    monkeypatch.setattr(reader, "SAMPLE_TAIL_STEPS", 100)
+    sampled = summary_module.build_summary(str(db))
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    for before, after in zip(full["ranks"], sampled["ranks"], strict=True):
+        rank_id = con.execute("SELECT rank_id FROM ranks WHERE global_rank=?", (after["global_rank"],)).fetchone()[0]
+        total, first, last = con.execute(
+            "SELECT count(*), min(step), max(step) FROM steps WHERE rank_id=?", (rank_id,)
+        ).fetchone()
+        # Counts and bounds stay exact; only what the medians read is a sample.
+        assert (after["steps"], after["first_step"], after["last_step"]) == (total, first, last) == (
+            before["steps"], before["first_step"], before["last_step"])
+        assert before["steps_analysed"] == total
+        assert 100 < after["steps_analysed"] <= 500 + 100
+        # Uniform thinning keeps the medians (the synthetic steps are stationary).
+        assert abs(after["step_ms_median"] - before["step_ms_median"]) <= 0.05 * before["step_ms_median"]
+    # The straggler is still named from the sample.
+    assert {(v["name"], v["scope"].get("global_rank")) for v in sampled["verdicts"]} >= {
+        (v["name"], v["scope"].get("global_rank")) for v in full["verdicts"] if v["severity"] != "info"}
+    text = summary_module.render_text(sampled)
+    assert "uniform sample" in text and "newest 100 all included" in text
+
+
+def test_sample_of_strided_steps_is_not_aliased_away(tmp_path: Path) -> None:
+    import sqlite3
+
+    from traceml_daemon.store import reader
+    from traceml_daemon.tui.synth import SynthSpec, build
+
+    db = tmp_path / "strided.db"
+    build(str(db), SynthSpec(nnodes=1, ranks_per_node=1, steps=10, straggler=None, with_detail=False))
+    rw = sqlite3.connect(db)
+    # One row per optimizer step of 2 accumulated micro-steps: odd step numbers only.
+    rw.execute("DELETE FROM steps")
+    rw.executemany(
+        "INSERT INTO steps (rank_id, step, ts, step_ns, forward_ns) VALUES (1, ?, ?, 20000000, 5000000)",
+        [(2 * i + 1, 1.0 + i) for i in range(3000)],
+    )
+    rw.commit()
+    rw.close()
+    con = reader.open_readonly(str(db))
+    rank = reader.load_ranks(con, reader.latest_run(con))[0]
+    data = reader.load_rank_data(con, rank, cap=600)
+    assert data.steps_stored == 3000
+    assert 300 < len(data.steps) <= 700  # spread over the run, not only the dense tail
+    assert data.steps[0] == 1 and data.steps[-1] == 5999
+    assert data.steps == sorted(set(data.steps))

@@ -44,6 +44,9 @@ class RankData:
     step_ts: list[float | None] = field(default_factory=list)  # wall clock at step end
     status: RankStatus | None = None
     device_total_bytes: int | None = None  # device memory capacity when known
+    # Steps stored for this rank when ``steps`` is a sample of them (a long run's summary
+    # reads every k-th step plus the newest ones dense); None: ``steps`` holds them all.
+    steps_stored: int | None = None
 
 
 @dataclass
