@@ -99,3 +99,40 @@ def test_age_retention_keeps_each_ranks_last_status(tmp_path: Path) -> None:
     assert conn.execute("SELECT count(*) FROM steps").fetchone() == (0,)
     assert conn.execute("SELECT steps_done, finished FROM status").fetchall() == [(100, 1)]
     conn.close()
+
+
+def test_size_retention_keeps_up_when_ingest_outpaces_one_pass_per_interval(tmp_path: Path) -> None:
+    # A database already 3x over its cap, then steady ingest. One pass an hour by the
+    # clock (2 chunks of 500 rows) would leave it over the cap for hours; a pass that
+    # ran out of budget runs again after the next transaction, so retention catches up
+    # within a few dozen transactions while ingest goes on (400 rows each).
+    db = tmp_path / "busy.db"
+    cap_bytes = 1024 * 1024
+    policy = RetentionPolicy(max_db_bytes=cap_bytes, chunk_rows=500, max_chunks=2, interval_s=3600.0)
+    used: list[int] = []
+
+    async def go() -> None:
+        writer = StoreWriter(str(db))
+        await writer.open()
+        for i in range(75):  # 30,000 steps, about 3 MB of raw rows
+            assert await writer.write([batch(i + 1, [0, 1, 2, 3], i * 100, 100)])
+        await writer.close()
+        writer = StoreWriter(str(db), retention=policy)
+        await writer.open()
+        for i in range(75, 135):  # 24,000 more, 400 a transaction
+            assert await writer.write([batch(i + 1, [0, 1, 2, 3], i * 100, 100)])
+            await writer.maybe_enforce_retention()  # what the writer's loop does after each transaction
+            async with writer._db.execute("PRAGMA page_count") as cur:  # type: ignore[union-attr]
+                pages = (await cur.fetchone())[0]  # type: ignore[index]
+            async with writer._db.execute("PRAGMA freelist_count") as cur:  # type: ignore[union-attr]
+                free = (await cur.fetchone())[0]  # type: ignore[index]
+            used.append((pages - free) * 4096)
+        await writer.close()
+
+    asyncio.run(go())
+    assert used[0] > 2 * cap_bytes
+    caught_up = next((i for i, size in enumerate(used) if size <= cap_bytes + 64 * 1024), None)
+    assert caught_up is not None and caught_up < 50, used
+    conn = ro(db)
+    assert conn.execute("SELECT max(step) FROM steps").fetchone()[0] == 13_499  # the newest are kept
+    assert conn.execute("SELECT count(*) FROM steps").fetchone()[0] < 30_000

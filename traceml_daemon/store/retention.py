@@ -76,8 +76,10 @@ async def _delete_chunk(db: aiosqlite.Connection, sql: str, params: tuple[float 
     return max(0, deleted)
 
 
-async def _trim_age(db: aiosqlite.Connection, policy: RetentionPolicy, now: float, budget: int) -> tuple[int, int]:
-    """Delete rows older than the cutoff from every raw table; (rows, chunks used)."""
+async def _trim_age(
+    db: aiosqlite.Connection, policy: RetentionPolicy, now: float, budget: int
+) -> tuple[int, int, bool]:
+    """Delete rows older than the cutoff from every raw table; (rows, chunks used, done)."""
     assert policy.max_age_s is not None
     cutoff = now - policy.max_age_s
     total = chunks = 0
@@ -87,29 +89,31 @@ async def _trim_age(db: aiosqlite.Connection, policy: RetentionPolicy, now: floa
             f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
             f"(SELECT rowid, {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t < ?)"
         )
-        while chunks < budget:
+        while True:
+            if chunks >= budget:
+                return total, chunks, False
             deleted = await _delete_chunk(db, sql, (policy.chunk_rows, cutoff * scale))
             chunks += 1
             total += deleted
             if deleted < policy.chunk_rows:
                 break
-    return total, chunks
+    return total, chunks, True
 
 
-async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: int) -> int:
-    """Delete the oldest steps (and other raw rows no newer) until under the size cap."""
+async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: int) -> tuple[int, bool]:
+    """Delete the oldest steps (and other raw rows no newer) until under the size cap; (rows, done)."""
     assert policy.max_db_bytes is not None
     total = 0
     for _ in range(budget):
         if await used_bytes(db) <= policy.max_db_bytes:
-            break
+            return total, True
         async with db.execute(
             "SELECT max(rowid), max(ts) FROM (SELECT rowid, ts FROM steps ORDER BY rowid LIMIT ?)", (policy.chunk_rows,)
         ) as cur:
             row = await cur.fetchone()
         if row is None or row[0] is None:
             log.warning("database over --max-db-mb with no raw steps left to delete (history alone is larger)")
-            break
+            return total, True
         last_rowid, last_ts = row
         deleted = await _delete_chunk(db, "DELETE FROM steps WHERE rowid <= ?", (last_rowid,))
         if last_ts is not None:
@@ -121,19 +125,33 @@ async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: 
                     (policy.chunk_rows, last_ts * scale),
                 )
         total += deleted
-    return total
+    return total, await used_bytes(db) <= policy.max_db_bytes
 
 
-async def enforce(db: aiosqlite.Connection, policy: RetentionPolicy, now: float) -> int:
-    """Apply ``policy`` once, within its chunk budget; returns raw rows deleted."""
+@dataclass(frozen=True)
+class Enforced:
+    deleted: int  # raw rows deleted
+    # False: the chunk budget ran out with work left (ingest outpaces one pass every
+    # interval_s); the writer then runs another pass after its next transaction.
+    done: bool
+
+
+async def enforce(db: aiosqlite.Connection, policy: RetentionPolicy, now: float) -> Enforced:
+    """Apply ``policy`` once, within its chunk budget."""
     deleted = 0
+    done = True
     budget = policy.max_chunks
     if policy.max_age_s is not None:
-        rows, used = await _trim_age(db, policy, now, budget)
+        rows, used, done = await _trim_age(db, policy, now, budget)
         deleted += rows
         budget -= used
-    if policy.max_db_bytes is not None and budget > 0:
-        deleted += await _trim_size(db, policy, budget)
+    if policy.max_db_bytes is not None:
+        if budget > 0:
+            rows, size_done = await _trim_size(db, policy, budget)
+            deleted += rows
+            done = done and size_done
+        else:
+            done = False
     if deleted:
         log.info("retention deleted %d raw rows", deleted)
-    return deleted
+    return Enforced(deleted, done)

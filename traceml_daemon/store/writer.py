@@ -296,6 +296,7 @@ class StoreWriter:
         self._db: aiosqlite.Connection | None = None
         self._stored_counters: dict[str, int] = {}
         self._next_retention = 0.0
+        self._retention_behind = False  # the last pass ran out of budget (see enforce_retention)
         # Test hook: awaited before every transaction (a test can stall the writer with it).
         self.before_write: Callable[[], Any] | None = None
 
@@ -483,20 +484,31 @@ class StoreWriter:
             for item in staged.work:
                 if item.done is not None:
                     item.done(ok)
-        if self.retention is not None and time.monotonic() >= self._next_retention:
-            self._next_retention = time.monotonic() + self.retention.interval_s
-            await self.enforce_retention()
+        await self.maybe_enforce_retention()
         return ok
 
+    async def maybe_enforce_retention(self) -> None:
+        """After a transaction: a retention pass when one is due (every ``interval_s``)
+        or when the last pass ran out of budget with work left."""
+        if self.retention is not None and (self._retention_behind or time.monotonic() >= self._next_retention):
+            self._next_retention = time.monotonic() + self.retention.interval_s
+            await self.enforce_retention()
+
     async def enforce_retention(self) -> int:
+        """One bounded retention pass; returns raw rows deleted. A pass that ran out of
+        budget with work left makes the next one run after the next transaction, so
+        retention keeps up with any ingest rate and ingest still never waits long."""
         assert self._db is not None, "open() first"
         if self.retention is None:
             return 0
         try:
-            return await enforce(self._db, self.retention, time.time())
+            result = await enforce(self._db, self.retention, time.time())
         except sqlite3.Error as exc:
             log.error("retention failed: %s", exc)
+            self._retention_behind = False
             return 0
+        self._retention_behind = not result.done
+        return result.deleted
 
     def stage(self, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
         """Decode ``work`` into one transaction (pure CPU, the event loop's share)."""
