@@ -98,3 +98,8 @@ def test_late_data_of_an_earlier_attempt_stays_out_of_the_new_one(tmp_path: Path
     delivery = s["delivery"]
     assert delivery["duplicates_discarded"] == 0
     assert delivery["rows_stored"] == 2 * (10 + 8 + 10)
+    # The TUI shows the same run as the summary, not the attempt seen last.
+    from traceml_daemon.tui.data import TuiData
+
+    header = TuiData(str(db)).overview().header
+    assert (header.attempt, header.world_size) == (1, 2)

@@ -42,7 +42,7 @@ from traceml_daemon.analysis.model import PHASES, RankData, RankStatus, RunData,
 from traceml_daemon.analysis.nodes import node_views
 from traceml_daemon.counters import DAEMON_SOURCE
 from traceml_daemon.store import history
-from traceml_daemon.store.reader import RunRef, delivery_counters, load_systems, run_parallelism
+from traceml_daemon.store.reader import RunRef, delivery_counters, latest_run, load_systems, run_parallelism
 
 WINDOW = 32  # recent steps per rank kept in memory for medians and diagnosis
 SERIES_POINTS = 120  # default W for downsampled series
@@ -419,11 +419,13 @@ _RUN_RANKS = "r.session=? AND r.attempt=? AND r.rank_id>?"
 
 
 def current_run(con: sqlite3.Connection) -> tuple[str, int] | None:
-    """The session/attempt of the most recently seen sender (a restart makes a new attempt)."""
+    """The run the summary reports too (``store.reader.latest_run``): the session seen
+    most recently, at its highest attempt. A late resend from an earlier attempt (an
+    elastic restart) refreshes that attempt's last_seen but must not switch the view."""
     if con.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ranks'").fetchone() is None:
         return None
-    row = con.execute("SELECT session, attempt FROM ranks ORDER BY last_seen DESC, attempt DESC LIMIT 1").fetchone()
-    return None if row is None else (str(row[0]), int(row[1] or 0))
+    run = latest_run(con)
+    return None if run is None else (run.session, run.attempt)
 
 
 def read_bounds(con: sqlite3.Connection, run: tuple[str, int], after: int = 0) -> Iterator[tuple[int, Any, Any]]:
