@@ -29,7 +29,7 @@ from relay.upstream import (
     Upstream,
     warn,
 )
-from traceml_wire import MAX_AGENT_FRAME_BYTES, ProtocolError
+from traceml_wire import MAX_AGENT_FRAME_BYTES, MAX_HELLO_FRAME_BYTES, ProtocolError
 from traceml_wire import messages as wm
 from traceml_wire.addresses import is_loopback
 from traceml_wire.auth import new_nonce, verify_hello_mac
@@ -185,7 +185,9 @@ class NodeRelay:
         await self._agent(reader, writer)
 
     async def _agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        stream = MessageStream(reader, writer, self.max_frame_bytes)
+        # Until the hello is accepted only a hello-sized frame is read (an agent sends
+        # nothing else before its accept); then the full agent frame cap applies.
+        stream = MessageStream(reader, writer, min(MAX_HELLO_FRAME_BYTES, self.max_frame_bytes))
         if self._closing:
             writer.transport.abort()
             return
@@ -195,6 +197,7 @@ class NodeRelay:
             sender = await self._handshake(stream)
             if sender is None:
                 return
+            stream.decoder.max_frame_bytes = self.max_frame_bytes
             self.stats.agents_connected += 1
             try:
                 await self._receive_batches(stream, sender)

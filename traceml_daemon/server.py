@@ -28,15 +28,14 @@ from traceml_daemon.session import Batch, Closed, Event, Failed, Hello, PeerSess
 from traceml_daemon.store.retention import RetentionPolicy
 from traceml_daemon.store.writer import StoreWriter, WorkItem
 from traceml_wire import messages
-from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES
+from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MAX_HELLO_FRAME_BYTES
 
 log = logging.getLogger("traceml_daemon.server")
 
 READ_CHUNK = 256 * 1024
-# Largest frame a peer may send before its hello is accepted. A hello is well under
-# 1 KiB; with the full cap, 1024 unauthenticated peers could make the daemon buffer
-# 16 GiB inside the hello timeout. Accepted peers get ``max_frame_bytes``.
-PRE_HELLO_MAX_FRAME_BYTES = 64 * 1024
+# Largest frame a peer may send before its hello is accepted (see traceml_wire);
+# accepted peers get ``max_frame_bytes``.
+PRE_HELLO_MAX_FRAME_BYTES = MAX_HELLO_FRAME_BYTES
 
 
 @dataclass

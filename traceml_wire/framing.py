@@ -33,6 +33,10 @@ MAX_AGENT_BODY_BYTES = DEFAULT_MAX_FRAME_BYTES - RBATCH_OVERHEAD_BYTES
 # The relay's cap on one agent frame: every body the agent may send passes it, so a
 # body is never refused on every resend until the agent's buffer evicts it.
 MAX_AGENT_FRAME_BYTES = MAX_AGENT_BODY_BYTES + BATCH_OVERHEAD_BYTES
+# The largest frame a server (relay or daemon) reads before it accepted the peer's
+# hello. A hello is well under 1 KiB; with the full cap, 1024 unauthenticated peers
+# could make a server buffer 16 GiB inside the hello timeout.
+MAX_HELLO_FRAME_BYTES = 64 * 1024
 _HEADER = struct.Struct(">I")
 
 

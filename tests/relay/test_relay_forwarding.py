@@ -10,8 +10,8 @@ from typing import Any
 from relay_helpers import FakeAgent, FakeDaemon, body_for, eventually, run
 
 from relay.node import NodeRelay
+from traceml_wire import MAX_HELLO_FRAME_BYTES, pack_message
 from traceml_wire import messages as wm
-from traceml_wire import pack_message
 
 TOKEN = "s3cret"
 NODE = {"node_rank": 3, "hostname": "nodeA"}
@@ -176,6 +176,30 @@ async def test_bad_frames_close_only_that_agent() -> None:
         assert await good.send_batches(range(1, 3), body_for("good")) == [1, 2]
         await eventually(lambda: len(daemon.items()) == 2)
         await good.close()
+    await daemon.stop()
+
+
+@run
+async def test_large_frame_before_the_hello_is_refused_and_the_full_cap_applies_after() -> None:
+    daemon = FakeDaemon(TOKEN)
+    await daemon.start()
+    async with make_relay(daemon) as relay:
+        # Before its hello a peer may declare only a hello-sized frame: 1 MiB is refused
+        # from the header alone, nothing of it buffered, and only that peer is closed.
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        await reader.read(1024)  # the challenge
+        writer.write(struct.pack(">I", 1 << 20) + b"x" * 1024)
+        refusal = await asyncio.wait_for(reader.read(), 10.0)  # read to EOF: the relay closed
+        assert b"refuse" in refusal and str(MAX_HELLO_FRAME_BYTES).encode() in refusal
+        writer.close()
+        assert relay.statistics()["refused_agents"] == 1
+        # An accepted agent may send a batch far over the hello cap.
+        agent = FakeAgent(relay.port, TOKEN, sender="big")
+        await agent.connect()
+        padded = {1: pack_message({"tables": {}, "pad": b"p" * (4 * MAX_HELLO_FRAME_BYTES)})}
+        assert await agent.send_batches(range(1, 2), padded.__getitem__) == [1]
+        await eventually(lambda: len(daemon.items()) == 1)
+        await agent.close()
     await daemon.stop()
 
 
