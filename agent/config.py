@@ -37,6 +37,8 @@ class Config:
     deep_dive: bool = False
     deep_dive_every: int = DEFAULT_DEEP_DIVE_EVERY
     start_relay: bool = True  # local rank 0 starts the node relay in-process
+    # How long shutdown (and exit) may take to hand the last rows to the daemon; what is
+    # not acknowledged by then stays in the relay's spool (traceml-daemon ingest).
     shutdown_timeout_s: float = 2.0
 
 
@@ -98,6 +100,7 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_DEEP_DIVE": ("deep_dive", _flag),
     "TRACEML_DEEP_DIVE_EVERY": ("deep_dive_every", _positive_int),
     "TRACEML_NO_RELAY": ("start_relay", lambda s: not _flag(s)),
+    "TRACEML_SHUTDOWN_S": ("shutdown_timeout_s", _positive_float),
 }
 
 # init() keyword aliases that read better than the field names

@@ -300,8 +300,10 @@ def run_traced(which: str, tmp_path: Path, steps: int = STEPS) -> tuple[dict[str
     script.write_text(SCRIPT)
     db = tmp_path / "run.db"
     with DaemonProcess(db) as daemon:
+        # A loaded CI machine may need more than the default 2 s at exit to hand the
+        # last rows to the daemon (the rest would wait in the relay's spool).
         env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()),
-                       TRACEML_SESSION=f"integration-{which}")
+                       TRACEML_SESSION=f"integration-{which}", TRACEML_SHUTDOWN_S="30")
         done = subprocess.run([sys.executable, str(script), which, str(steps), str(tmp_path / "out")], env=env,
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr

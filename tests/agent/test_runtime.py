@@ -328,3 +328,10 @@ def test_config_parsing_never_raises() -> None:
     assert len(problems) == 3 and any("bogus" in p for p in problems)
     assert "token" not in repr(load_config({"TRACEML_TOKEN": "secret"})[0]).split("token=")[-1:][0][:0] + "x"
     assert "secret" not in repr(load_config({"TRACEML_TOKEN": "secret"})[0])
+
+
+def test_shutdown_budget_from_the_environment() -> None:
+    assert load_config({"TRACEML_SHUTDOWN_S": "30"})[0].shutdown_timeout_s == 30.0
+    config, problems = load_config({"TRACEML_SHUTDOWN_S": "soon"})
+    assert config.shutdown_timeout_s == Config().shutdown_timeout_s
+    assert len(problems) == 1 and "TRACEML_SHUTDOWN_S" in problems[0]
