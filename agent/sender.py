@@ -403,7 +403,7 @@ class Sender:
                 f"a telemetry row is larger than one batch ({self.max_body_bytes} bytes) and was dropped (counted)",
             )
             # Ship the new count in this flush: at shutdown there is no next one.
-            bodies += encode_bodies({"drops": _drop_row(now, self.oversize_rows)}, now)[0]
+            bodies += encode_bodies({"drops": _drop_row(now, self.oversize_rows)}, now, self.max_body_bytes)[0]
         for body in bodies:
             self.seq += 1
             self.buffer.push(self.seq, encode_frame(messages.batch(self.seq, body)))

@@ -143,17 +143,22 @@ class Upstream:
         # a drop also reports it (the last rbatch before shutdown included).
         estimate = body_bytes + sum(len(item[0]) + 16 for item in items) + sum(len(p) + 256 for p in peers) + 1024
         self._evict(estimate)
+        self._push(self._numbered(items, peers, self.stats.as_dict(), body_bytes))
+
+    def _numbered(
+        self, items: list[list[Any]], peers: dict[str, dict[str, Any]], stats: dict[str, int], body_bytes: int
+    ) -> Packed:
+        """The next rbatch seq, packed with ``stats`` (a snapshot: taken by the caller)."""
         seq = self._next_seq
         self._next_seq += 1
         # ``sender`` rides along so a spooled rbatch names its relay: ``traceml-daemon
         # ingest`` then stores these stats under the same source as the live ones.
         data = pack_message(
             wm.relay_batch(
-                seq, items, peers, self.node, self.stats.as_dict(), sender=self.sender,
-                spool_dropped_upto=self._spool_dropped_upto,
+                seq, items, peers, self.node, stats, sender=self.sender, spool_dropped_upto=self._spool_dropped_upto
             )
         )
-        self._push(Packed(seq, data, len(items), body_bytes))
+        return Packed(seq, data, len(items), body_bytes)
 
     def _push(self, packed: Packed) -> None:
         self._memory.append(packed)
@@ -391,15 +396,8 @@ class Upstream:
         assert self.spool is not None
         for _ in range(8):
             before = self.stats.as_dict()
-            seq = self._next_seq
-            self._next_seq += 1
-            data = pack_message(
-                wm.relay_batch(
-                    seq, [], {}, self.node, before, sender=self.sender, spool_dropped_upto=self._spool_dropped_upto
-                )
-            )
             try:
-                self.spool.append(Packed(seq, data, 0, 0))
+                self.spool.append(self._numbered([], {}, before, 0))
             except OSError:
                 return  # already warned about the spool; the counters stay in this process only
             self._note_cap_drops()

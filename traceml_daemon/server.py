@@ -33,9 +33,6 @@ from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MAX_HELL
 log = logging.getLogger("traceml_daemon.server")
 
 READ_CHUNK = 256 * 1024
-# Largest frame a peer may send before its hello is accepted (see traceml_wire);
-# accepted peers get ``max_frame_bytes``.
-PRE_HELLO_MAX_FRAME_BYTES = MAX_HELLO_FRAME_BYTES
 
 
 @dataclass
@@ -246,10 +243,8 @@ class DaemonServer:
     async def _tls_handshake(self, conn: socket.socket, addr: Any) -> None:
         """Run the TLS handshake of an accepted socket, then the same conversation as a plaintext peer."""
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
-        if self._active + self._handshaking >= self.config.max_connections:
+        if self._at_capacity(peer, in_flight=self._handshaking):
             # Refused before the handshake: its CPU is the very cost a full daemon must not pay.
-            self.counters.refused_peers += 1
-            log.warning("refused %s: too many connections (%d)", peer, self.config.max_connections)
             conn.close()
             return
         loop = asyncio.get_running_loop()
@@ -270,11 +265,18 @@ class DaemonServer:
             self._handshaking -= 1
         await self._handle(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
+    def _at_capacity(self, peer: str, in_flight: int = 0) -> bool:
+        """True (counted and logged as a refusal) when ``max_connections`` peers are
+        connected, counting ``in_flight`` connections not yet conversing (TLS handshakes)."""
+        if self._active + in_flight < self.config.max_connections:
+            return False
+        self.counters.refused_peers += 1
+        log.warning("refused %s: too many connections (%d)", peer, self.config.max_connections)
+        return True
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _peer_name(writer)
-        if self._active >= self.config.max_connections:
-            self.counters.refused_peers += 1
-            log.warning("refused %s: too many connections (%d)", peer, self.config.max_connections)
+        if self._at_capacity(peer):
             with contextlib.suppress(Exception):
                 writer.write(PeerSession(None).refuse("too many connections"))
                 await writer.drain()
@@ -351,7 +353,8 @@ class DaemonServer:
         self, peer: str, session: PeerSession, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bytes | None:
         """One whole frame, header included; None at EOF or when it is over the pre-hello cap."""
-        cap = min(PRE_HELLO_MAX_FRAME_BYTES, self.config.max_frame_bytes)
+        # A hello-sized frame at most (traceml_wire); accepted peers get ``max_frame_bytes``.
+        cap = min(MAX_HELLO_FRAME_BYTES, self.config.max_frame_bytes)
         try:
             header = await reader.readexactly(HEADER_BYTES)
             declared = int.from_bytes(header, "big")

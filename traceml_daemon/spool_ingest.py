@@ -152,19 +152,17 @@ def index_file(path: str, number: int, index: SpoolIndex, report: SpoolReport) -
             report.rbatches += 1
             peers, node, relay, rseq = message["peers"], message["node"], message["sender"], message["seq"]
             for (sender, seq, _), (offset, length) in zip(message["items"], spans, strict=True):
-                entries = index.by_sender.get(sender)
-                if entries is None:
-                    entries = index.by_sender[sender] = []
                 identity = peers.get(sender) or _NO_IDENTITY
-                entries.append((seq, number, body_offset + offset, length, identity, node, relay, rseq))
+                entry = (seq, number, body_offset + offset, length, identity, node, relay, rseq)
+                index.by_sender.setdefault(sender, []).append(entry)
             if relay is None:
                 continue
             if message["spool_dropped_upto"] > index.dropped_upto.get(relay, 0):
                 index.dropped_upto[relay] = message["spool_dropped_upto"]
             if message["stats"]:
                 seen = index.relay_stats.get(relay)
-                if seen is None or message["seq"] >= seen[0]:
-                    index.relay_stats[relay] = (message["seq"], message["stats"])
+                if seen is None or rseq >= seen[0]:
+                    index.relay_stats[relay] = (rseq, message["stats"])
         report.bad_offset, report.reason = reader.bad_offset, reader.reason
 
 

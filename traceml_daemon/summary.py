@@ -50,12 +50,14 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
     fsdp2 = reader.fsdp2_memory(conn, row.rank_id)
     if fsdp2 is not None:
         memory["fsdp2"] = fsdp2
-    entry = {
+    return {
         "global_rank": row.global_rank,
         "local_rank": row.local_rank,
         "node_rank": row.node_rank,
         "hostname": row.hostname,
-        "steps": len(data.steps),
+        # A long run's sample holds its first and last step (reader._sampled_steps), so
+        # only the count differs from what was loaded: the stored one, counted in SQL.
+        "steps": data.steps_stored if data.steps_stored is not None else len(data.steps),
         "first_step": data.steps[0] if data.steps else None,
         "last_step": data.steps[-1] if data.steps else None,
         # Steps the medians and verdicts read: all of them, or a long run's sample.
@@ -64,11 +66,6 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
         "phases_ms_median": {p: _median_ms(data.phases_ns.get(p, [])) for p in PHASES},
         "memory": memory,
     }
-    if data.steps_stored is not None and data.steps_stored != len(data.steps):
-        # A sample of a long run: count and bounds are the stored ones, exactly.
-        counts = reader.step_counts(conn, row.rank_id)
-        entry.update(steps=counts.total, first_step=counts.first, last_step=counts.last)
-    return entry
 
 
 def build_summary(db_path: str) -> dict[str, Any]:
@@ -143,7 +140,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _ranks_title(ranks: list[dict[str, Any]]) -> str:
-    sampled = [r for r in ranks if r.get("steps_analysed", r["steps"]) != r["steps"]]
+    sampled = [r for r in ranks if r["steps_analysed"] != r["steps"]]
     if not sampled:
         return "Ranks (medians over all steps, ms)"
     least = min(r["steps_analysed"] for r in sampled)

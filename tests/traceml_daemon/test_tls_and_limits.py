@@ -24,8 +24,7 @@ from tests.traceml_daemon.wire_client import (
     peers_for,
     steps_body,
 )
-from traceml_daemon.server import PRE_HELLO_MAX_FRAME_BYTES
-from traceml_wire import auth, messages
+from traceml_wire import MAX_HELLO_FRAME_BYTES, auth, messages
 from traceml_wire.framing import encode_frame
 
 RELAY = "relay/s1/n0/1-r"
@@ -202,7 +201,7 @@ def test_large_frame_before_the_hello_is_refused_and_the_full_cap_applies_after(
         # After the accept, frames far over the pre-hello cap are fine: the hello and a
         # ~200 KiB batch sent back to back in one write, so they reach the daemon together.
         big = steps_body(0, 4000)
-        assert len(big) > 2 * PRE_HELLO_MAX_FRAME_BYTES
+        assert len(big) > 2 * MAX_HELLO_FRAME_BYTES
         with WireClient(daemon.port) as good:
             challenge = good.recv()
             assert challenge is not None

@@ -156,7 +156,7 @@ class StepCounts:
     last: int | None
 
 
-def step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
+def _step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
     total, first, last = conn.execute(
         "SELECT count(*), min(step), max(step) FROM steps WHERE rank_id=?", (rank_id,)
     ).fetchone()
@@ -166,7 +166,8 @@ def step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
 def _sampled_steps(conn: sqlite3.Connection, rank_id: int, counts: StepCounts, cap: int, tail: int) -> list[tuple[Any, ...]]:
     """At most about ``cap`` rows of a rank: every k-th step over the whole run (creep and
     whole-run medians keep their shape under uniform thinning) plus the newest ``tail``
-    steps dense (the windows the step verdicts and liveness read)."""
+    steps dense (the windows the step verdicts and liveness read). The first and the
+    last step are always in it, so only the count needs ``counts``."""
     if counts.total <= cap or counts.first is None or counts.last is None:
         return _rank_steps(conn, rank_id, None)
     tail = max(1, min(tail, cap // 2))  # at least half the budget samples the whole run
@@ -218,7 +219,7 @@ def load_rank_data(
         hostname=rank.hostname,
     )
     if cap is not None:
-        counts = step_counts(conn, rank.rank_id)
+        counts = _step_counts(conn, rank.rank_id)
         data.steps_stored = counts.total
         rows = _sampled_steps(conn, rank.rank_id, counts, cap, SAMPLE_TAIL_STEPS)
     else:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from textual.pilot import Pilot
+from textual.widgets import Static
 
 from traceml_daemon.tui.app import TraceApp
 from traceml_daemon.tui.synth import T0, SynthSpec, build
@@ -50,3 +51,8 @@ def asynctest(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Non
         asyncio.run(fn(*args, **kwargs))
 
     return wrapper
+
+
+def static_text(screen: object, selector: str) -> str:
+    """What the Static widget at ``selector`` on ``screen`` renders, as plain text."""
+    return str(screen.query_one(selector, Static).render())  # type: ignore[attr-defined]

@@ -6,9 +6,9 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable, Input, Static
+from textual.widgets import DataTable, Input
 
-from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle
+from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle, static_text
 from traceml_daemon.tui.app import main, parse_jump
 from traceml_daemon.tui.screens import (
     HelpScreen,
@@ -23,17 +23,13 @@ from traceml_daemon.tui.synth import SynthSpec, build, step_row
 from traceml_daemon.tui.widgets import RankGrid
 
 
-def _text(screen: object, selector: str) -> str:
-    return str(screen.query_one(selector, Static).render())  # type: ignore[attr-defined]
-
-
 @asynctest
 async def test_overview_drill_down_and_back(tui_db: str) -> None:
     app = make_app(tui_db)
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert isinstance(app.screen, OverviewScreen)
-        header = _text(app.screen, "#header")
+        header = static_text(app.screen, "#header")
         assert "run-synth" in header and "4 ranks on 2 nodes" in header and "step 199" in header
         nodes = app.screen.query_one("#nodes", DataTable)
         ranks = app.screen.query_one("#ranks", DataTable)
@@ -43,7 +39,7 @@ async def test_overview_drill_down_and_back(tui_db: str) -> None:
         await pilot.press("enter")
         await settle(pilot)
         assert isinstance(app.screen, NodeScreen) and app.screen.node_rank == first_node
-        assert "no host samples" not in _text(app.screen, "#system")
+        assert "no host samples" not in static_text(app.screen, "#system")
         gpus = app.screen.query_one("#gpus", DataTable)
         assert gpus.row_count == 2
         assert "—" in [str(c) for c in gpus.get_row_at(1)]  # GPU 1 has no power reading
@@ -70,9 +66,9 @@ async def test_rank_screen_shows_layers_scalars_and_fsdp2(tui_db: str) -> None:
         await pilot.press("enter")
         await settle(pilot)
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 0
-        assert "FSDP2 shard 1.8 GiB" in _text(app.screen, "#models")
+        assert "FSDP2 shard 1.8 GiB" in static_text(app.screen, "#models")
         assert app.screen.query_one("#layers", DataTable).row_count == 4
-        assert "GPU mem —" in _text(app.screen, "#process")
+        assert "GPU mem —" in static_text(app.screen, "#process")
         spark = app.screen.query_one("#scalars")
         assert [line[0] for line in spark.lines] == ["loss", "lr"]  # type: ignore[attr-defined]
 
@@ -89,7 +85,7 @@ async def test_verdicts_help_jump_and_phase_cycle(tui_db: str) -> None:
         await pilot.press("v")
         await settle(pilot)
         assert isinstance(app.screen, VerdictsScreen)
-        assert "spooled 3" in _text(app.screen, "#delivery")
+        assert "spooled 3" in static_text(app.screen, "#delivery")
         await pilot.press("escape")
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
@@ -148,7 +144,7 @@ async def test_no_analysis_engine_still_works(tui_db: str, monkeypatch: pytest.M
     app = make_app(tui_db)
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
-        assert "not available" in _text(app.screen, "#banner")
+        assert "not available" in static_text(app.screen, "#banner")
 
 
 def test_main_missing_db_names_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,7 +173,7 @@ async def test_node_table_names_the_busiest_rank_and_header_the_models_paralleli
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         assert app.analysis_count >= 1
-        assert "  ddp  " in _text(app.screen, "#header")
+        assert "  ddp  " in static_text(app.screen, "#header")
         nodes = app.screen.query_one("#nodes", DataTable)
         rows = {str(nodes.get_row_at(i)[0]): [str(c) for c in nodes.get_row_at(i)] for i in range(nodes.row_count)}
         assert rows["n1"][4] == "r3" and rows["n1"][5] == "42.2"  # busy = step - wait: 43.2 - 1.0
@@ -193,7 +189,7 @@ async def test_ranks_table_pages_long_runs(tmp_path: Path) -> None:
         await settle(pilot)
         ranks = app.screen.query_one("#ranks", PagedTable)
         assert len(ranks.all_rows) == 300 and ranks.row_count == ranks.page_rows < 300
-        assert "of 300" in _text(app.screen, "#ranks_title")
+        assert "of 300" in static_text(app.screen, "#ranks_title")
         ranks.focus()
         await pilot.press("ctrl+end")
         assert ranks.coordinate_to_cell_key(ranks.cursor_coordinate).row_key.value == "299"
@@ -238,7 +234,7 @@ async def test_poll_reads_only_after_a_commit(tui_db: str) -> None:
         app._poll()
         await settle(pilot, count + 1)
         assert app.refresh_count == count + 1
-        assert "step 200" in _text(app.screen, "#header")
+        assert "step 200" in static_text(app.screen, "#header")
 
 
 @asynctest
@@ -247,10 +243,10 @@ async def test_losses_show_rows_and_batches_apart_and_bytes_never_count(tmp_path
     app = make_app(build(str(tmp_path / "lossy.db"), spec))
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
-        assert "LOST 7 rows 3 batches" in _text(app.screen, "#header")
+        assert "LOST 7 rows 3 batches" in static_text(app.screen, "#header")
         await pilot.press("v")
         await settle(pilot)
-        lines = _text(app.screen, "#delivery").splitlines()
+        lines = static_text(app.screen, "#delivery").splitlines()
         assert lines[0] == "rows dropped 7  batches dropped 3  spooled 4"
         relays = next(line for line in lines if line.startswith("relays:"))
         assert "dropped_bytes 5000000" in relays and "spool_dropped_batches 1" in relays
@@ -268,7 +264,7 @@ async def test_node_screen_says_how_many_ranks_have_a_sparkline(tmp_path: Path) 
         await settle(pilot)
         assert isinstance(app.screen, NodeScreen)
         assert len(app.screen.query_one("#sparks").lines) == 64  # type: ignore[attr-defined]
-        assert "showing 64 of 70 ranks" in _text(app.screen, "#sparks_title")
+        assert "showing 64 of 70 ranks" in static_text(app.screen, "#sparks_title")
         assert app.screen.query_one("#ranks", DataTable).row_count == 70  # the table still lists all
 
 
@@ -280,6 +276,6 @@ async def test_saturated_host_is_a_live_finding(tmp_path: Path) -> None:
         assert app.analysis_count >= 1
         await pilot.press("v")
         await settle(pilot)
-        findings = _text(app.screen, "#verdicts")
+        findings = static_text(app.screen, "#verdicts")
         assert "HOST_MEM_SATURATED [node 1]" in findings and "HOST_CPU_SATURATED [node 1]" in findings
         assert "[node 0]" not in findings

@@ -8,20 +8,16 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable, Input, Static
+from textual.widgets import DataTable, Input
 
 from tests.conftest import REAL_RUN_STEPS
-from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle
+from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle, static_text
 from traceml_daemon.analysis.model import PHASES
 from traceml_daemon.tui.screens import JumpScreen, NodeScreen, OverviewScreen, RankScreen, VerdictsScreen
 from traceml_daemon.tui.synth import SynthSpec, build
 from traceml_daemon.tui.widgets import RankGrid, SparkList
 
 pytestmark = pytest.mark.slow
-
-
-def _text(screen: object, selector: str) -> str:
-    return str(screen.query_one(selector, Static).render())  # type: ignore[attr-defined]
 
 
 def _keys(table: DataTable[object]) -> list[str]:
@@ -37,11 +33,11 @@ async def test_real_run_overview_drill_down_findings_jump_and_quit(real_run_db: 
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert isinstance(app.screen, OverviewScreen) and app.analysis_count >= 1
-        header = _text(app.screen, "#header")
+        header = static_text(app.screen, "#header")
         assert session in header and "2 ranks on 1 node" in header and "  ddp  " in header
         assert f"step {REAL_RUN_STEPS - 1}" in header and "finished" in header and "delivery: no loss" in header
         # Rank 1's collate sleeps 15 ms a step: the live analysis names it first.
-        banner = _text(app.screen, "#banner")
+        banner = static_text(app.screen, "#banner")
         assert "INPUT_STRAGGLER" in banner and "rank 1" in banner
         assert "2 ranks" in str(app.screen.query_one(RankGrid).render())
         nodes = app.screen.query_one("#nodes", DataTable)
@@ -51,18 +47,18 @@ async def test_real_run_overview_drill_down_findings_jump_and_quit(real_run_db: 
         await pilot.press("enter")  # the nodes table has the focus: node 0
         await settle(pilot)
         assert isinstance(app.screen, NodeScreen) and app.screen.node_rank == 0
-        assert "Node 0" in _text(app.screen, "#title") and "2 ranks" in _text(app.screen, "#title")
+        assert "Node 0" in static_text(app.screen, "#title") and "2 ranks" in static_text(app.screen, "#title")
         assert [line[0] for line in app.screen.query_one("#sparks", SparkList).lines] == ["r0", "r1"]
-        assert "showing" not in _text(app.screen, "#sparks_title")  # every rank has its line
+        assert "showing" not in static_text(app.screen, "#sparks_title")  # every rank has its line
         assert _keys(app.screen.query_one("#ranks", DataTable)) == ["0", "1"]
 
         await pilot.press("down", "enter")
         await settle(pilot)
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 1
-        title = _text(app.screen, "#title")
+        title = static_text(app.screen, "#title")
         assert "Rank 1  node 0 local 1" in title and f"steps {REAL_RUN_STEPS}" in title
         assert [line[0] for line in app.screen.query_one("#phases", SparkList).lines] == list(PHASES)
-        assert "(ddp)" in _text(app.screen, "#models")
+        assert "(ddp)" in static_text(app.screen, "#models")
 
         await pilot.press("escape")
         await settle(pilot)
@@ -74,8 +70,8 @@ async def test_real_run_overview_drill_down_findings_jump_and_quit(real_run_db: 
         await pilot.press("v")
         await settle(pilot)
         assert isinstance(app.screen, VerdictsScreen)
-        assert "INPUT_STRAGGLER [rank 1, node 0]" in _text(app.screen, "#verdicts")
-        delivery = _text(app.screen, "#delivery")
+        assert "INPUT_STRAGGLER [rank 1, node 0]" in static_text(app.screen, "#verdicts")
+        delivery = static_text(app.screen, "#delivery")
         assert "rows dropped 0  batches dropped 0  spooled 0" in delivery
         assert "frames_received" in delivery and "dropped_bytes 0" in delivery
         await pilot.press("escape")
@@ -88,7 +84,7 @@ async def test_real_run_overview_drill_down_findings_jump_and_quit(real_run_db: 
             await pilot.press("enter")
             await settle(pilot)
             assert isinstance(app.screen, screen) and getattr(app.screen, key) == int(query[1:])
-        assert "Node 0" in _text(app.screen, "#title")
+        assert "Node 0" in static_text(app.screen, "#title")
         await pilot.press("slash")
         app.screen.query_one(Input).value = "r2"  # a 2-rank run has no rank 2
         await pilot.press("enter")
