@@ -42,6 +42,7 @@ STEP_COLUMNS = columns("steps")
 _FOLDED = ("step", "ts", "step_ns", "wait_ns", "comm_ns", *(f"{p}_ns" for p in PHASES if p != "wait"))
 _FOLDED_AT = tuple((name, STEP_COLUMNS.index(name)) for name in _FOLDED)
 _PICK = itemgetter(*(i for _, i in _FOLDED_AT))
+_STEP_AT, _TS_AT, _COMM_AT = (STEP_COLUMNS.index(name) for name in ("step", "ts", "comm_ns"))
 
 
 @dataclass
@@ -87,7 +88,18 @@ class RankWindow:
         """Bring the windows and counters up to date with every pushed batch."""
         if not self.pending:
             return
-        chunks, self.pending, self.pending_rows = self.pending, [], 0
+        chunks, rows, self.pending, self.pending_rows = self.pending, self.pending_rows, [], 0
+        # The rings keep only the newest ``window`` values: a chunk entirely older than
+        # that only advances the counters (a fast rank sends many windows' worth between
+        # folds, and extending the rings with them was most of the fold's cost).
+        skip = 0
+        while skip < len(chunks) - 1 and rows - len(chunks[skip][0]) >= self.window:
+            old = chunks[skip]
+            rows -= len(old[0])
+            self._count(old[_STEP_AT], old[_TS_AT], old[_COMM_AT])
+            skip += 1
+        if skip:
+            chunks = chunks[skip:]
         # One pass over the concatenated columns, and only those read, costs far less
         # than one per chunk. (The columns are shared with the history backlog: build
         # new lists, never change them.)
@@ -96,25 +108,32 @@ class RankWindow:
         else:
             self.add({name: list(chain.from_iterable(map(itemgetter(i), chunks))) for name, i in _FOLDED_AT})
 
-    def add(self, cols: dict[str, list[Any]]) -> None:
-        steps = cols.get("step") or []
+    def _count(self, steps: Sequence[Any], ts: Sequence[Any] | None, comm: Sequence[Any] | None) -> None:
+        """Advance steps seen, the last step and its time, and whether wait is measured."""
         n = len(steps)
         if n == 0:
             return
         self.steps_seen += n
         self.dirty = True
-        # Whole-column C-level passes (max, Ring.extend) instead of a Python loop
-        # per row: this runs for every committed step row, on the event loop.
         # Decoded columns hold ints (or None): max() raises on a None among them (and
         # returns it when alone), so the Nones are filtered only when there are some.
         top = _max_or_none(steps)
         if top is not None and (self.last_step is None or top >= self.last_step):
             self.last_step = top
-            ts = cols.get("ts")
             if ts:
                 stamp = _max_or_none(ts)
                 if stamp is not None:
                     self.last_ts = stamp
+        if comm and not self.wait_measured:
+            self.wait_measured = any(v is not None for v in comm)
+
+    def add(self, cols: dict[str, list[Any]]) -> None:
+        steps = cols.get("step") or []
+        if not steps:
+            return
+        # Whole-column C-level passes (max, Ring.extend) instead of a Python loop
+        # per row: this runs for every committed step row, on the event loop.
+        self._count(steps, cols.get("ts"), cols.get("comm_ns"))
         step_ns = cols.get("step_ns")
         if step_ns:
             self.step_ns.extend(step_ns)  # skips None (not measured): out of the median
@@ -127,9 +146,6 @@ class RankWindow:
             self.busy_ns.extend(busy)
         elif step_ns:
             self.busy_ns.extend(step_ns)
-        comm = cols.get("comm_ns")
-        if comm and not self.wait_measured:
-            self.wait_measured = any(v is not None for v in comm)
         phases = self.phases_ns
         for phase, name in _PHASE_COLUMNS:
             values = cols.get(name)

@@ -65,3 +65,26 @@ def test_decoded_batches_fold_like_column_maps() -> None:
         batch = tuple(tuple(cols[c]) if c in cols else (None,) * 3 for c in STEP_COLUMNS)
         by_batch.add_batches(1, [batch], global_rank=0, node_rank=0)
     assert by_map.snapshot() == by_batch.snapshot()
+
+
+def test_many_windows_pushed_at_once_fold_like_one_batch_at_a_time() -> None:
+    """A fast rank sends many windows' worth between folds: chunks older than the
+    window only advance the counters, and every figure matches pushing one at a time."""
+    from traceml_daemon.aggregates import STEP_COLUMNS
+
+    def batch(i: int) -> tuple[tuple[object, ...], ...]:
+        cols = _cols(5 * i, 5, (10 + i % 7) * 1_000_000)
+        cols["wait_ns"] = [1_000_000 * (i % 3)] * 5
+        cols["comm_ns"] = [500_000] * 5 if i == 1 else [None] * 5  # only an old chunk measures comm
+        return tuple(tuple(cols[c]) if c in cols else (None,) * 5 for c in STEP_COLUMNS)
+
+    batches = [batch(i) for i in range(40)]  # 200 rows, window 16
+    at_once, one_by_one = Aggregates(window=16), Aggregates(window=16)
+    at_once.add_batches(1, batches, global_rank=0, node_rank=0)
+    for b in batches:
+        one_by_one.add_batches(1, [b], global_rank=0, node_rank=0)
+        one_by_one.snapshot()  # a read after every batch folds it alone
+    got, want = at_once.snapshot()[0], one_by_one.snapshot()[0]
+    assert got == want
+    assert (got.steps_seen, got.last_step, got.last_ts) == (200, 199, 299.0)
+    assert got.busy_ms_median != got.step_ms_median  # wait measured: seen in a skipped chunk

@@ -213,3 +213,36 @@ def test_status_keeps_each_ranks_newest_row_under_a_rising_rowid(tmp_path: Path)
     data = reader.load_run(conn, reader.latest_run(conn))
     statuses = [r.status for r in data.ranks]
     assert [(st.phase, st.steps_done, st.finished) for st in statuses if st] == [("idle", 3, True), ("wait", 1, False)]
+
+
+def test_writer_collects_garbage_on_its_timer_not_on_allocations(tmp_path: Path) -> None:
+    """Automatic collection is off while the writer is open (ingest's allocations are
+    freed by reference counting); a due timer collects cycles; close() restores it."""
+    import gc
+    import weakref
+
+    from traceml_daemon.store.policy import IngestPolicy
+
+    class Node:
+        other: object = None
+
+    async def run() -> None:
+        writer = StoreWriter(str(tmp_path / "gc.db"), policy=IngestPolicy(gc_interval_s=3600.0))
+        await writer.open()
+        try:
+            assert not gc.isenabled()
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # a cycle: reference counting alone never frees it
+            alive = weakref.ref(a)
+            del a, b
+            assert writer.maybe_collect_garbage() is None  # not due yet
+            assert alive() is not None
+            writer._next_gc = 0.0  # due
+            assert writer.maybe_collect_garbage()
+            assert alive() is None
+        finally:
+            await writer.close()
+        assert gc.isenabled()
+
+    assert gc.isenabled()
+    asyncio.run(run())

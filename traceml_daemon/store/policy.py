@@ -35,12 +35,15 @@ class IngestPolicy:
     history_backlog_rows: int = 65_536
     # The writer thread must get the GIL back quickly after each sqlite3_step.
     gil_switch_interval: float = 0.001
-    # Young-generation GC threshold (CPython's default is 700 allocations). Ingest
-    # allocates and frees (by refcount) a list per decoded column; at the default
-    # the collector ran ~300 times a second at 4096 ranks (measured: GC was ~15% of
-    # a core, with a full collection at ~90 ms). Raised, young collections are
-    # rarer and full ones, whose cost grows with the heap, rarer still.
-    gc_young_threshold: int = 20_000
+    # The cyclic garbage collector runs on this timer, not on allocation counts.
+    # Ingest allocates ~200k containers a second at 4096 ranks (decoded column
+    # tuples, per-batch dicts), nearly all freed by reference counting, and the
+    # collector walking them was ~9% of a core even with a young threshold of 20,000
+    # (measured: 5.2 s of collection in a 60 s paced 4096-rank run, bench/ingest.py).
+    # Automatic collection is therefore off in the daemon, and one full collection
+    # every this many seconds frees the few cycles it makes (exceptions holding
+    # their frames, closed connections); each takes tens of milliseconds.
+    gc_interval_s: float = 30.0
     # Cleaned rbatch peer identities cached per connection (a relay repeats each of its
     # agents' identities in every rbatch); past this many senders the cache starts over.
     identity_cache_entries: int = 65_536

@@ -297,6 +297,8 @@ class StoreWriter:
         self._stored_counters: dict[str, int] = {}
         self._next_retention = 0.0
         self._retention_behind = False  # the last pass ran out of budget (see enforce_retention)
+        self._gc_disabled = False  # open() turned automatic collection off (close() restores it)
+        self._next_gc = float("inf")
         # Test hook: awaited before every transaction (a test can stall the writer with it).
         self.before_write: Callable[[], Any] | None = None
 
@@ -306,11 +308,14 @@ class StoreWriter:
             # Process-wide, and deliberate: the daemon's writer thread must get the GIL
             # back quickly after each sqlite3_step (see the module docstring).
             sys.setswitchinterval(min(sys.getswitchinterval(), self.policy.gil_switch_interval))
-            # Also process-wide: fewer GC passes (see IngestPolicy.gc_young_threshold),
-            # and what exists at start (modules, classes) is never walked again.
-            young, *older = gc.get_threshold()
-            gc.set_threshold(max(young, self.policy.gc_young_threshold), *older)
+            # Also process-wide: collection on a timer instead of allocation counts
+            # (see IngestPolicy.gc_interval_s), and what exists at start (modules,
+            # classes) is never walked again. close() turns automatic collection back on.
             gc.freeze()
+            if gc.isenabled():
+                gc.disable()
+                self._gc_disabled = True
+            self._next_gc = time.monotonic() + self.policy.gc_interval_s
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
             await self._db.execute(pragma)
@@ -437,6 +442,21 @@ class StoreWriter:
             await self._flush_history_now()
             await self._db.close()
             self._db = None
+        if self._gc_disabled:
+            self._gc_disabled = False
+            self._next_gc = float("inf")
+            gc.enable()
+
+    def maybe_collect_garbage(self) -> int | None:
+        """A full cyclic collection when one is due (see IngestPolicy.gc_interval_s);
+        returns the unreachable objects it found, or None when none was due."""
+        now = time.monotonic()
+        if now < self._next_gc:
+            return None
+        found = gc.collect()
+        self._next_gc = time.monotonic() + self.policy.gc_interval_s
+        log.debug("garbage collection: %d unreachable objects, %.1f ms", found, 1000 * (time.monotonic() - now))
+        return found
 
     async def run(self, queue: ByteQueue[WorkItem]) -> None:
         """Drain ``queue`` until it is closed and empty.
@@ -450,6 +470,7 @@ class StoreWriter:
             taken = await queue.get_many(self.max_txn_bytes, self.flush_interval)
             if not taken and queue.closed and len(queue) == 0:
                 break
+            self.maybe_collect_garbage()
             size = sum(n for _, n in taken)
             if (
                 taken
