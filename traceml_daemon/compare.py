@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 from traceml_daemon.analysis.compare import compare_runs, format_compare, scalar_key
 from traceml_daemon.analysis.model import PHASES, RankData, RunData
+from traceml_daemon.gc_pause import gc_paused
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -57,7 +58,8 @@ def load_run(path: str) -> tuple[RunData, Scalars]:
     """The latest session/attempt of the database at ``path`` as RunData, plus its scalars."""
     con = _connect(path)
     try:
-        return _load(con, path)
+        with gc_paused():  # every step row of a run, acyclic (see gc_pause)
+            return _load(con, path)
     except sqlite3.DatabaseError as exc:
         raise CompareError(f"{path}: cannot read ({exc})") from None
     finally:

@@ -15,6 +15,7 @@ from traceml_daemon.analysis.engine import diagnose
 from traceml_daemon.analysis.model import PHASES, RankData, RunData, Verdict
 from traceml_daemon.analysis.nodes import node_views, skews
 from traceml_daemon.analysis.report import format_verdicts
+from traceml_daemon.gc_pause import gc_paused
 from traceml_daemon.store import reader
 
 log = logging.getLogger("traceml_daemon.summary")
@@ -70,6 +71,11 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
 
 def build_summary(db_path: str) -> dict[str, Any]:
     """Summarise the latest run (latest session, highest attempt). Raises reader.StoreError."""
+    with gc_paused():  # a bulk read of acyclic rows (see gc_pause)
+        return _build_summary(db_path)
+
+
+def _build_summary(db_path: str) -> dict[str, Any]:
     conn = reader.open_readonly(db_path)
     try:
         run_ref = reader.latest_run(conn)
