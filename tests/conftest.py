@@ -6,6 +6,8 @@ and the analysis engine and compare (tests/traceml_daemon/analysis/test_engine_r
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,16 @@ import pytest
 from tests.support.procs import EXAMPLES, DaemonProcess, base_env, torchrun, wait_for_steps
 
 REAL_RUN_STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def _automatic_gc_restored() -> Iterator[None]:
+    """The daemon's writer turns automatic garbage collection off process-wide until it
+    is closed (IngestPolicy.gc_interval_s); a test that leaves a writer open (stalled or
+    cancelled on purpose) must not leave the rest of the session without it."""
+    yield
+    if not gc.isenabled():
+        gc.enable()
 
 
 @pytest.fixture(scope="session")
