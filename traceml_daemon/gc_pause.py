@@ -1,4 +1,5 @@
-"""Pause the cyclic garbage collector around a bulk read.
+"""Pause the cyclic garbage collector around a bulk read (and, held from open()
+to close(), for the daemon's writer: see IngestPolicy.gc_interval_s).
 
 Loading a run builds millions of small acyclic objects (row tuples, column
 lists) that all survive: every young collection walks them again and full

@@ -56,6 +56,7 @@ import aiosqlite
 
 from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX, Counters
+from traceml_daemon.gc_pause import gc_paused
 from traceml_daemon.inbound import ByteQueue
 from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState
 from traceml_daemon.store import history
@@ -297,7 +298,8 @@ class StoreWriter:
         self._stored_counters: dict[str, int] = {}
         self._next_retention = 0.0
         self._retention_behind = False  # the last pass ran out of budget (see enforce_retention)
-        self._gc_disabled = False  # open() turned automatic collection off (close() restores it)
+        # open() pauses automatic collection until close() (see IngestPolicy.gc_interval_s).
+        self._gc_pause = contextlib.ExitStack()
         self._next_gc = float("inf")
         # Test hook: awaited before every transaction (a test can stall the writer with it).
         self.before_write: Callable[[], Any] | None = None
@@ -312,9 +314,7 @@ class StoreWriter:
             # (see IngestPolicy.gc_interval_s), and what exists at start (modules,
             # classes) is never walked again. close() turns automatic collection back on.
             gc.freeze()
-            if gc.isenabled():
-                gc.disable()
-                self._gc_disabled = True
+            self._gc_pause.enter_context(gc_paused())
             self._next_gc = time.monotonic() + self.policy.gc_interval_s
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
@@ -442,10 +442,8 @@ class StoreWriter:
             await self._flush_history_now()
             await self._db.close()
             self._db = None
-        if self._gc_disabled:
-            self._gc_disabled = False
-            self._next_gc = float("inf")
-            gc.enable()
+        self._next_gc = float("inf")
+        self._gc_pause.close()  # automatic collection as it was before open()
 
     def maybe_collect_garbage(self) -> int | None:
         """A full cyclic collection when one is due (see IngestPolicy.gc_interval_s);
