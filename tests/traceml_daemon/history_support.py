@@ -7,12 +7,10 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from tests.traceml_daemon.wire_client import agent_sender
+from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.store.schema import HISTORY_METRICS
 from traceml_daemon.store.writer import WorkItem
 from traceml_wire.tables import PHASES, encode_body
-
-RELAY = "relay/s1/n0/1-r"
 
 
 def random_steps(rank: int, first: int, n: int, seed: int, ts0: float = 1_700_000_000.0) -> dict[str, list[Any]]:

@@ -8,11 +8,10 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
-from tests.traceml_daemon.wire_client import WireClient, agent_sender, steps_body
+from tests.traceml_daemon.wire_client import RELAY, WireClient, agent_sender, steps_body
 from traceml_daemon.server import DaemonServer, ServerConfig
 from traceml_wire import messages
 
-RELAY = "relay/s1/n0/1-r"
 BATCHES = 300
 
 

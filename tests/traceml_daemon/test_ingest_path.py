@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.traceml_daemon.history_support import RELAY, batch, raw_buckets, ro, stored_buckets
-from tests.traceml_daemon.wire_client import agent_sender
+from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
+from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.acks import AckWriter
 from traceml_daemon.aggregates import FOLD_ROWS, Aggregates
 from traceml_daemon.ring import Ring

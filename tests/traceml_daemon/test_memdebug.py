@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import DaemonProcess, base_env, wait_for
-from tests.traceml_daemon.test_server import RELAY
-from tests.traceml_daemon.wire_client import WireClient, agent_sender, count_steps, peers_for, steps_body
+from tests.traceml_daemon.wire_client import RELAY, WireClient, agent_sender, count_steps, peers_for, steps_body
 from traceml_daemon import memdebug
 from traceml_wire import messages
 

@@ -6,8 +6,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from tests.traceml_daemon.history_support import RELAY, batch, random_steps, ro
-from tests.traceml_daemon.wire_client import agent_sender
+from tests.traceml_daemon.history_support import batch, random_steps, ro
+from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.store.retention import RetentionPolicy
 from traceml_daemon.store.writer import StoreWriter, WorkItem
 from traceml_wire.tables import encode_body

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tests.support.procs import DaemonProcess, base_env, wait_for
 from tests.traceml_daemon.wire_client import (
+    RELAY,
     WireClient,
     agent_sender,
     count_steps,
@@ -19,11 +20,6 @@ from tests.traceml_daemon.wire_client import (
 from traceml_daemon.session import Batch, Failed, Hello, PeerSession, Refused, State
 from traceml_wire import auth, messages
 from traceml_wire.framing import encode_frame
-
-RELAY = "relay/s1/n0/1-r"
-
-
-
 
 
 def test_ack_only_after_rows_are_committed_and_resend_is_deduplicated(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.traceml_daemon.wire_client import agent_sender, steps_body
+from tests.traceml_daemon.wire_client import RELAY, agent_sender, steps_body
 from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.inbound import ByteQueue
 from traceml_daemon.store import reader
@@ -22,7 +22,7 @@ PEERS = {A0: {"global_rank": 0, "local_rank": 0, "world_size": 2}, A1: {"global_
 
 
 def item(seq: int, items: list[list[object]], stats: dict[str, int] | None = None, node: int = 0) -> WorkItem:
-    return WorkItem("relay/s1/n0/1-r", "s1", seq, items, PEERS, {"node_rank": node, "hostname": f"h{node}"}, stats or {})
+    return WorkItem(RELAY, "s1", seq, items, PEERS, {"node_rank": node, "hostname": f"h{node}"}, stats or {})
 
 
 async def write_all(db: Path, *batches: list[WorkItem], aggregates: Aggregates | None = None) -> StoreWriter:
@@ -86,7 +86,7 @@ def test_dedup_within_and_across_transactions_and_reopen(tmp_path: Path) -> None
 def test_node_identity_comes_from_the_agent_before_the_relay(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
     peers = {A0: {"global_rank": 0, "node_rank": 3}}
-    work = WorkItem("relay/s1/n0/1-r", "s1", 1, [[A0, 1, steps_body(0, 1)]], peers, {"node_rank": 0, "hostname": "same"}, {})
+    work = WorkItem(RELAY, "s1", 1, [[A0, 1, steps_body(0, 1)]], peers, {"node_rank": 0, "hostname": "same"}, {})
     asyncio.run(write_all(db, [work]))
     conn = reader.open_readonly(str(db))
     (rank,) = reader.load_ranks(conn, reader.RunRef("s1", 0))

@@ -17,6 +17,7 @@ import pytest
 
 from tests.support.procs import DaemonProcess, wait_for
 from tests.traceml_daemon.wire_client import (
+    RELAY,
     WireClient,
     agent_sender,
     count_steps,
@@ -26,8 +27,6 @@ from tests.traceml_daemon.wire_client import (
 )
 from traceml_wire import MAX_HELLO_FRAME_BYTES, auth, messages
 from traceml_wire.framing import encode_frame
-
-RELAY = "relay/s1/n0/1-r"
 
 
 @dataclass(frozen=True)

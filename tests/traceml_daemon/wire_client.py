@@ -11,6 +11,9 @@ from traceml_wire import auth, messages
 from traceml_wire.framing import FrameDecoder, encode_frame, unpack_message
 from traceml_wire.tables import encode_body
 
+# The sender id the tests' relay connections present in their hello.
+RELAY = "relay/s1/n0/1-r"
+
 
 def agent_sender(session: str, rank: int, node: int = 0, attempt: int = 0) -> str:
     return f"{session}/a{attempt}/n{node}/r{rank}/1000-abcd"
