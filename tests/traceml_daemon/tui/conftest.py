@@ -43,6 +43,12 @@ async def settle(pilot: Pilot[None], n: int = 1) -> None:
     await pilot.pause()
 
 
+async def press(pilot: Pilot[None], *keys: str) -> None:
+    """Press ``keys``, then wait for the screen to settle (see ``settle``)."""
+    await pilot.press(*keys)
+    await settle(pilot)
+
+
 def asynctest(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
     """Run an async test body with asyncio.run (no async pytest plugin is installed)."""
 

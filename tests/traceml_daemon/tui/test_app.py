@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable, Input
 
-from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle, static_text
+from tests.traceml_daemon.tui.conftest import asynctest, make_app, press, settle, static_text
 from traceml_daemon.tui.app import main, parse_jump
 from traceml_daemon.tui.screens import (
     HelpScreen,
@@ -36,23 +36,19 @@ async def test_overview_drill_down_and_back(tui_db: str) -> None:
         assert nodes.row_count == 2 and ranks.row_count == 4
         # Enter on the first node row (focused at mount) opens that node.
         first_node = int(nodes.coordinate_to_cell_key(nodes.cursor_coordinate).row_key.value or 0)
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, NodeScreen) and app.screen.node_rank == first_node
         assert "no host samples" not in static_text(app.screen, "#system")
         gpus = app.screen.query_one("#gpus", DataTable)
         assert gpus.row_count == 2
         assert "—" in [str(c) for c in gpus.get_row_at(1)]  # GPU 1 has no power reading
         # Enter on a rank of the node opens the rank screen.
-        await pilot.press("down", "enter")
-        await settle(pilot)
+        await press(pilot, "down", "enter")
         assert isinstance(app.screen, RankScreen)
         assert app.screen.global_rank == first_node * 2 + 1
-        await pilot.press("escape")
-        await settle(pilot)
+        await press(pilot, "escape")
         assert isinstance(app.screen, NodeScreen)
-        await pilot.press("escape")
-        await settle(pilot)
+        await press(pilot, "escape")
         assert isinstance(app.screen, OverviewScreen)
 
 
@@ -63,8 +59,7 @@ async def test_rank_screen_shows_layers_scalars_and_fsdp2(tui_db: str) -> None:
         await settle(pilot)
         await pilot.press("tab")  # nodes -> ranks table
         assert app.focused is not None and app.focused.id == "ranks"
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 0
         assert "FSDP2 shard 1.8 GiB" in static_text(app.screen, "#models")
         assert app.screen.query_one("#layers", DataTable).row_count == 4
@@ -82,8 +77,7 @@ async def test_verdicts_help_jump_and_phase_cycle(tui_db: str) -> None:
         assert "step" in grid.caption
         await pilot.press("p")
         assert "dataloader" in grid.caption
-        await pilot.press("v")
-        await settle(pilot)
+        await press(pilot, "v")
         assert isinstance(app.screen, VerdictsScreen)
         assert "spooled 3" in static_text(app.screen, "#delivery")
         await pilot.press("escape")
@@ -93,18 +87,15 @@ async def test_verdicts_help_jump_and_phase_cycle(tui_db: str) -> None:
         await pilot.press("slash")
         assert isinstance(app.screen, JumpScreen)
         app.screen.query_one(Input).value = "r3"
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 3
         await pilot.press("slash")
         app.screen.query_one(Input).value = "n1"
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, NodeScreen) and app.screen.node_rank == 1
         await pilot.press("slash")
         app.screen.query_one(Input).value = "r77"
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, NodeScreen)  # unknown rank: stays, notifies
         await pilot.press("q")
 
@@ -201,8 +192,7 @@ async def test_ranks_table_pages_long_runs(tmp_path: Path) -> None:
             await pilot.press("down")
         key = ranks.coordinate_to_cell_key(ranks.cursor_coordinate).row_key.value
         assert key == str(ranks.page_rows)
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == ranks.page_rows
 
 
@@ -244,8 +234,7 @@ async def test_losses_show_rows_and_batches_apart_and_bytes_never_count(tmp_path
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert "LOST 7 rows 3 batches" in static_text(app.screen, "#header")
-        await pilot.press("v")
-        await settle(pilot)
+        await press(pilot, "v")
         lines = static_text(app.screen, "#delivery").splitlines()
         assert lines[0] == "rows dropped 7  batches dropped 3  spooled 4"
         relays = next(line for line in lines if line.startswith("relays:"))
@@ -260,8 +249,7 @@ async def test_node_screen_says_how_many_ranks_have_a_sparkline(tmp_path: Path) 
     app = make_app(db)
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, NodeScreen)
         assert len(app.screen.query_one("#sparks").lines) == 64  # type: ignore[attr-defined]
         assert "showing 64 of 70 ranks" in static_text(app.screen, "#sparks_title")
@@ -274,8 +262,7 @@ async def test_saturated_host_is_a_live_finding(tmp_path: Path) -> None:
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert app.analysis_count >= 1
-        await pilot.press("v")
-        await settle(pilot)
+        await press(pilot, "v")
         findings = static_text(app.screen, "#verdicts")
         assert "HOST_MEM_SATURATED [node 1]" in findings and "HOST_CPU_SATURATED [node 1]" in findings
         assert "[node 0]" not in findings

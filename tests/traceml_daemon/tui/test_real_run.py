@@ -11,7 +11,7 @@ import pytest
 from textual.widgets import DataTable, Input
 
 from tests.conftest import REAL_RUN_STEPS
-from tests.traceml_daemon.tui.conftest import asynctest, make_app, settle, static_text
+from tests.traceml_daemon.tui.conftest import asynctest, make_app, press, settle, static_text
 from traceml_daemon.analysis.model import PHASES
 from traceml_daemon.tui.screens import JumpScreen, NodeScreen, OverviewScreen, RankScreen, VerdictsScreen
 from traceml_daemon.tui.synth import SynthSpec, build
@@ -52,43 +52,36 @@ async def test_real_run_overview_drill_down_findings_jump_and_quit(real_run_db: 
         assert "showing" not in static_text(app.screen, "#sparks_title")  # every rank has its line
         assert _keys(app.screen.query_one("#ranks", DataTable)) == ["0", "1"]
 
-        await pilot.press("down", "enter")
-        await settle(pilot)
+        await press(pilot, "down", "enter")
         assert isinstance(app.screen, RankScreen) and app.screen.global_rank == 1
         title = static_text(app.screen, "#title")
         assert "Rank 1  node 0 local 1" in title and f"steps {REAL_RUN_STEPS}" in title
         assert [line[0] for line in app.screen.query_one("#phases", SparkList).lines] == list(PHASES)
         assert "(ddp)" in static_text(app.screen, "#models")
 
-        await pilot.press("escape")
-        await settle(pilot)
+        await press(pilot, "escape")
         assert isinstance(app.screen, NodeScreen)
-        await pilot.press("escape")
-        await settle(pilot)
+        await press(pilot, "escape")
         assert isinstance(app.screen, OverviewScreen)
 
-        await pilot.press("v")
-        await settle(pilot)
+        await press(pilot, "v")
         assert isinstance(app.screen, VerdictsScreen)
         assert "INPUT_STRAGGLER [rank 1, node 0]" in static_text(app.screen, "#verdicts")
         delivery = static_text(app.screen, "#delivery")
         assert "rows dropped 0  batches dropped 0  spooled 0" in delivery
         assert "frames_received" in delivery and "dropped_bytes 0" in delivery
-        await pilot.press("escape")
-        await settle(pilot)
+        await press(pilot, "escape")
 
         for query, screen, key in (("r1", RankScreen, "global_rank"), ("n0", NodeScreen, "node_rank")):
             await pilot.press("slash")
             assert isinstance(app.screen, JumpScreen)
             app.screen.query_one(Input).value = query
-            await pilot.press("enter")
-            await settle(pilot)
+            await press(pilot, "enter")
             assert isinstance(app.screen, screen) and getattr(app.screen, key) == int(query[1:])
         assert "Node 0" in static_text(app.screen, "#title")
         await pilot.press("slash")
         app.screen.query_one(Input).value = "r2"  # a 2-rank run has no rank 2
-        await pilot.press("enter")
-        await settle(pilot)
+        await press(pilot, "enter")
         assert isinstance(app.screen, NodeScreen)
 
         await pilot.press("q")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from textual.pilot import Pilot
 
-from tests.traceml_daemon.tui.conftest import make_app, settle
+from tests.traceml_daemon.tui.conftest import make_app, press, settle
 from traceml_daemon.analysis.model import RunData, Verdict
 
 
@@ -43,8 +43,7 @@ def _keys(*keys: str) -> Callable[[Pilot[None]], Awaitable[None]]:
     async def run_before(pilot: Pilot[None]) -> None:
         await settle(pilot)
         for key in keys:
-            await pilot.press(key)
-            await settle(pilot)
+            await press(pilot, key)
 
     return run_before
 
