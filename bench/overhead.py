@@ -40,6 +40,9 @@ baseline it is taken against:
   the smallest to the largest model (its own interval);
 * (b) the relative cost at the ~20 ms step, measured there, and the
   short-step cost divided by the 20 ms step;
+* (c) the agent's work per traced step, counted rather than timed: the
+  bytecodes and Python calls it executes at each model size (equal counts:
+  no per-module work, so timed growth is the same code running colder);
 * launch cost: ``python -c 'import agent; agent.init()'`` against
   ``python -c 'import torch'`` (the issue's pair; init() imports no torch),
   ``python -c 'import torch; import agent; agent.init()'`` against the same
@@ -485,6 +488,59 @@ def measure_config(n_modules: int, target_ms: float, rate: float, rounds: int, b
     return row
 
 
+# ------------------------------------------------------------------ work count
+
+
+AGENT_DIR = os.path.join(REPO, "agent") + os.sep
+
+
+def count_agent_work(n_modules: int, steps: int = 20) -> dict[str, float]:
+    """Bytecodes and Python calls the agent executes per traced step, counted exactly.
+
+    The timing figures above are medians of a noisy clock, and at 512 modules the
+    step's own variance swamps a few microseconds. This count is deterministic: the
+    same Tracer and step as mode ``tracer``, run under ``sys.settrace`` with opcode
+    events, counting only frames whose code lies in the agent package. Equal counts
+    at every model size show the agent does no per-module work; any growth of the
+    timed cost with the module count is then the same code running colder.
+    """
+    work = Workload(n_modules)
+    tracer = Tracer(Recorder(), event_backend=None)
+    tracer.install()
+    counts = {"bytecodes": 0, "calls": 0}
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            counts["bytecodes"] += 1
+        return local
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(AGENT_DIR):
+            return None  # torch's and the bench's own frames are not counted
+        counts["calls"] += 1
+        frame.f_trace_opcodes = True
+        return local
+
+    try:
+        work.run(5, tracer.trace_step)  # the first step registers the model
+        sys.settrace(on_call)
+        try:
+            work.run(steps, tracer.trace_step)
+        finally:
+            sys.settrace(None)
+    finally:
+        tracer.uninstall()
+    return {name: value / steps for name, value in counts.items()}
+
+
+def measure_work(sizes: list[int]) -> dict[str, dict[str, float]]:
+    work = {str(n): count_agent_work(n) for n in sizes}
+    per_size = "; ".join(f"{n} modules {w['bytecodes']:.0f} bytecodes in {w['calls']:.0f} calls"
+                         for n, w in work.items())
+    print(f"(c) agent work per traced step, counted (deterministic, mode tracer): {per_size}", flush=True)
+    return work
+
+
 # ------------------------------------------------------------------ launch cost
 
 
@@ -688,6 +744,7 @@ def main(argv: list[str] | None = None) -> None:
                for n in sizes for ms in targets]
     figures = report(results, modes, sizes, targets, "cpu")
     figures_wall = report(results, modes, sizes, targets, "wall")
+    work = measure_work(sizes)
     launch = {} if args.no_launch else measure_launch(3 if not args.long else 7)
     if "public" in modes:
         agent.shutdown()
@@ -695,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
         for value in r.values():
             if isinstance(value, dict):
                 value.pop("boot", None)
-    print(json.dumps({"configs": results, "cpu": figures, "wall": figures_wall, **launch}))
+    print(json.dumps({"configs": results, "cpu": figures, "wall": figures_wall, "agent_work_per_step": work, **launch}))
 
 
 if __name__ == "__main__":
