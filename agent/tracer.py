@@ -71,7 +71,9 @@ from agent.capture.record import (
 from agent.recorder import Recorder
 
 _AUTO: Any = object()
-_new_record = object.__new__
+# The clock as a module global: step enter/exit read it with a specialized LOAD_GLOBAL, where
+# ``self._perf()`` would be a generic method load (3.11 does not specialize slot callables).
+_perf = time.perf_counter_ns
 # Device triple slot for copies made before the step entered (outside its event window).
 _H2D_OUT = 6
 # Finished steps waiting for poll(): bounded (a record is a few hundred bytes) so a sender
@@ -106,12 +108,11 @@ class _StepContext(ModelState):
     exception always propagates unchanged.
     """
 
-    __slots__ = ("_tracer", "_perf")
+    __slots__ = ("_tracer",)
 
     def __init__(self, tracer: Tracer, model_id: int, model: torch.nn.Module | None, info: ModelInfo) -> None:
         super().__init__(model_id, model, info)
         self._tracer = tracer
-        self._perf = tracer._perf
 
     def __enter__(self) -> None:
         try:
@@ -122,10 +123,10 @@ class _StepContext(ModelState):
             # Every field the host path reads before writing (see StepRecord), set inline:
             # no __init__ frame on the training thread. (Recycling records through a pool
             # filled by poll() was tried: no gain in a real step, sometimes a loss.)
-            rec = _new_record(StepRecord)
+            rec = StepRecord()  # no __init__: C's object_new only
             rec.model_id = self.model_id
             rec.step = self.steps
-            rec.ph_end = rec.t_enter = self._perf()
+            rec.ph_end = rec.t_enter = _perf()
             rec.dl_in = rec.h2d = rec.h2d_out = rec.fwd = rec.bwd = rec.opt = 0
             rec.fwd_depth = rec.bwd_depth = rec.opt_depth = rec.opt_t0 = rec.comm_wait = 0
             rec.comm = rec.deep = None
@@ -156,7 +157,7 @@ class _StepContext(ModelState):
                 return False
             tracer = self._tracer
             self.current = None
-            rec.t_exit = self._perf()
+            rec.t_exit = _perf()
             tracer._active = rec.prev
             rec.prev = None  # queued records must not keep a chain of older ones alive
             tracer._last = rec  # status() and rows outside a step read the last step from it

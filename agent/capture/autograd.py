@@ -26,34 +26,31 @@ def install(tracer: Any) -> Callable[[], None]:
 
     def backward(*args: Any, **kwargs: Any) -> Any:
         rec = tracer._active
-        if rec is None:
+        if rec is None or rec.bwd_depth:
+            # Outside a traced step, or a backward inside one (a hook, a double backward):
+            # the outermost call times it.
             return orig(*args, **kwargs)
         try:
-            depth = rec.bwd_depth
-            if depth == 0:
-                # Reused as the start until the outermost backward returns; written
-                # before the depth, which is what status() checks first.
-                rec.bwd_end = perf()
-                if backend is not None:
-                    rec.bwd_ev0 = backend.mark()
-            rec.bwd_depth = depth + 1
+            # Reused as the start until the backward returns; written before the depth,
+            # which is what status() checks first.
+            rec.bwd_end = perf()
+            if backend is not None:
+                rec.bwd_ev0 = backend.mark()
+            rec.bwd_depth = 1
         except Exception as exc:
             fail("backward", exc)
         try:
             return orig(*args, **kwargs)
         finally:
             try:
-                depth = rec.bwd_depth
-                if depth > 0:
-                    if depth == 1:
-                        t = perf()
-                        rec.bwd += t - rec.bwd_end
-                        rec.bwd_end = t
-                        rec.ph_end = t
-                        if backend is not None:
-                            tracer._dev_pair(rec, BACKWARD, rec.bwd_ev0)
-                            rec.bwd_ev0 = None
-                    rec.bwd_depth = depth - 1
+                if rec.bwd_depth:  # 0: the opening above failed
+                    t = perf()
+                    rec.bwd += t - rec.bwd_end
+                    rec.bwd_end = rec.ph_end = t
+                    if backend is not None:
+                        tracer._dev_pair(rec, BACKWARD, rec.bwd_ev0)
+                        rec.bwd_ev0 = None
+                    rec.bwd_depth = 0
             except Exception as exc:
                 fail("backward", exc)
 

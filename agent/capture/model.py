@@ -38,6 +38,10 @@ import torch
 from agent.capture.guard import remove_handles
 from agent.capture.record import FORWARD
 
+# The clock as a module global: the hot path reads it with a specialized LOAD_GLOBAL, where
+# ``self._perf()`` would be a generic method load (3.11 does not specialize slot callables).
+_perf = time.perf_counter_ns
+
 
 class ModelInfo:
     __slots__ = ("name", "parallelism", "n_modules", "param_bytes", "local_shard_bytes", "estimated_full_bytes")
@@ -226,9 +230,12 @@ def wants_hooks(model: torch.nn.Module, info: ModelInfo) -> bool:
 class TimedCall:
     """A traced model's ``_call_impl``, timed; lives in the model's instance ``__dict__``.
 
-    Same bookkeeping as the two hooks of ``hook_forward`` (nesting depth, the phase
-    start written before the depth for ``status()``, closed on an exception too),
-    in one call instead of torch's hook dispatch. Holds the model weakly: a strong
+    The same phase as the two hooks of ``hook_forward`` (the start written before
+    the depth for ``status()``, closed on an exception too), in one call instead of
+    torch's hook dispatch. Only the outermost forward of a step is timed: a call
+    made while the step's forward depth is already raised (a traced model inside
+    another's forward, whichever mechanism raised it) passes straight through,
+    so nesting costs no bookkeeping. Holds the model weakly: a strong
     reference from the model's own dict would make every traced model a reference
     cycle, freed (with its GPU memory) only by a full garbage collection.
 
@@ -241,44 +248,42 @@ class TimedCall:
     hooks before; dynamo then breaks the graph at the clock read, as it did there.
     """
 
-    __slots__ = ("_ref", "_fn", "_tracer", "_perf", "_backend", "_fail", "__weakref__")
+    __slots__ = ("_ref", "_fn", "_tracer", "_backend", "_fail", "__weakref__")
 
     def __init__(self, model: torch.nn.Module, tracer: Any) -> None:
         self._ref = weakref.ref(model)
         self._fn = type(model)._call_impl  # what __call__ would have called
         self._tracer = tracer
-        self._perf = time.perf_counter_ns
         self._backend = tracer._backend  # fixed for the Tracer's lifetime
         self._fail = tracer._gate.fail
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rec = self._tracer._active
-        if rec is None:  # outside a traced step (evaluation, another library): pass through
+        if rec is None or rec.fwd_depth:
+            # Outside a traced step (evaluation, another library), or inside a forward this
+            # step already times (D(G(z)), a traced submodule): the outermost call counts it.
             return self._fn(self._ref(), *args, **kwargs)
         try:
-            depth = rec.fwd_depth
-            if depth == 0:
-                rec.fwd_t0 = self._perf()  # before the depth: status() reads the start once depth > 0
-                if self._backend is not None:
-                    rec.fwd_ev0 = self._backend.mark()
-            rec.fwd_depth = depth + 1
+            rec.fwd_t0 = _perf()  # before the depth: status() reads the start once depth > 0
+            if self._backend is not None:
+                rec.fwd_ev0 = self._backend.mark()
+            rec.fwd_depth = 1
         except Exception as exc:
             self._fail("forward", exc)
+        ref = self._ref  # a plain load: self._ref() would be a generic method load on a slot
         try:
-            return self._fn(self._ref(), *args, **kwargs)
+            return self._fn(ref(), *args, **kwargs)
         finally:
             # Closed on an exception too (what always_call=True gave the post-hook).
             try:
-                depth = rec.fwd_depth
-                if depth > 0:
-                    if depth == 1:
-                        t = self._perf()
-                        rec.fwd += t - rec.fwd_t0
-                        rec.ph_end = t
-                        if self._backend is not None:
-                            self._tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
-                            rec.fwd_ev0 = None
-                    rec.fwd_depth = depth - 1
+                if rec.fwd_depth:  # 0: the opening above failed
+                    t = _perf()
+                    rec.fwd += t - rec.fwd_t0
+                    rec.ph_end = t
+                    if self._backend is not None:
+                        self._tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
+                        rec.fwd_ev0 = None
+                    rec.fwd_depth = 0
             except Exception as exc:
                 self._fail("forward", exc)
 

@@ -82,8 +82,8 @@ class StepRecord:
 
     # No __init__: a step opens on the training thread, where a Python-level
     # __init__ is one more frame per step. The tracer's step enter
-    # (agent.tracer._StepContext.__enter__) creates records with
-    # ``object.__new__`` and sets every field the host path reads before
+    # (agent.tracer._StepContext.__enter__) creates records with ``StepRecord()``
+    # (C's object_new, no frame) and sets every field the host path reads before
     # writing; device fields are set by ``init_device``; fwd_t0/bwd_end/t_exit
     # are written before any read; the row builder reads peak/reserved bytes
     # with a None default.
