@@ -70,6 +70,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -150,10 +151,16 @@ class _QuietStderr:
 
 
 def spin(iterations: int) -> int:
-    """A fixed amount of pure-Python work: its cost does not depend on what ran before."""
+    """A fixed amount of pure-Python work whose cost does not depend on what ran before.
+
+    Allocation-free: ``repeat`` yields one object and ``acc`` stays a cached small int.
+    The former loop (``acc ^= i`` over ``range``) allocated two ints an iteration, so its
+    speed followed the allocator's state, which the modes change (records a tracer holds
+    until poll): at the 20 ms step, all pad, traced blocks ran 2-4% faster than ``none``.
+    """
     acc = 0
-    for i in range(iterations):
-        acc ^= i
+    for _ in repeat(None, iterations):
+        acc ^= 1
     return acc
 
 
