@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import base_env
-from tests.traceml_daemon.wire_client import agent_sender, steps_body
+from tests.traceml_daemon.wire_client import agent_sender, count_steps, steps_body
 from traceml_wire import messages, spool
 from traceml_wire.framing import pack_message
 
@@ -37,25 +37,17 @@ def ingest(db: Path, *files: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def steps_in(db: Path) -> int:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-    finally:
-        conn.close()
-
-
 def test_spool_ingest_stores_rows_and_dedups_a_second_load(tmp_path: Path) -> None:
     db, spool_file = tmp_path / "run.db", tmp_path / "relay.spool"
     write_spool(spool_file, 5)
     done = ingest(db, spool_file)
     assert done.returncode == 0, done.stderr
     assert "5 records, 100 rows stored" in done.stdout
-    assert steps_in(db) == 100
+    assert count_steps(db) == 100
     done = ingest(db, spool_file)
     assert done.returncode == 0, done.stderr
     assert "0 rows stored, 10 duplicate batches discarded" in done.stdout
-    assert steps_in(db) == 100
+    assert count_steps(db) == 100
 
 
 def test_corrupted_spool_is_read_up_to_the_first_bad_record(tmp_path: Path) -> None:
@@ -67,7 +59,7 @@ def test_corrupted_spool_is_read_up_to_the_first_bad_record(tmp_path: Path) -> N
     done = ingest(db, spool_file)
     assert done.returncode == 0, done.stderr
     assert f"stopped at byte {offsets[3]}: CRC mismatch" in done.stdout
-    assert steps_in(db) == 60
+    assert count_steps(db) == 60
 
 
 def write_records(path: Path, records: list[tuple[int, list[list[object]]]]) -> None:
