@@ -71,8 +71,9 @@ from agent.capture.record import (
 from agent.recorder import Recorder
 
 _AUTO: Any = object()
-# The clock as a module global: step enter/exit read it with a specialized LOAD_GLOBAL, where
-# ``self._perf()`` would be a generic method load (3.11 does not specialize slot callables).
+# The tracer's one clock, a module global: step enter/exit read it with a specialized
+# LOAD_GLOBAL, where a clock held in a slot (``self._perf()``) is a generic method load
+# (3.11 does not specialize slot callables).
 _perf = time.perf_counter_ns
 # Device triple slot for copies made before the step entered (outside its event window).
 _H2D_OUT = 6
@@ -186,7 +187,7 @@ class Tracer:
     # touches share the object's first cache lines (a step runs with cold caches).
     __slots__ = (
         "_active", "_fed_ns", "_any_fetch", "_rare", "_pending", "_last", "_steps_done",
-        "_dl_t0", "_fed_by", "_models", "_backend", "_perf", "_fetches", "_fetch_seq", "_h2d_t0",
+        "_dl_t0", "_fed_by", "_models", "_backend", "_fetches", "_fetch_seq", "_h2d_t0",
         "_h2d_out", "_h2d_out_dev", "_recorder", "_gate", "_deep_dive", "_deep_every", "_timeout_ns",
         "_cuda", "_wall_offset_ns", "_created", "_none_state", "_next_model_id", "_emitted",
         "_dropped_seen", "_scalars", "_rss", "_undo", "_installed", "device_steps_dropped",
@@ -228,7 +229,6 @@ class Tracer:
         self._fed_by: int | None = None
         self._models: dict[int, ModelState] = {}
         self._backend = backend
-        self._perf = time.perf_counter_ns
         self._fetches: dict[int, tuple[int, int]] = {}
         self._fetch_seq = 0
         self._h2d_t0 = 0
@@ -246,7 +246,7 @@ class Tracer:
             self._cuda = False
         # wall = perf + offset; status() converts without a clock call on the hot path.
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
-        self._created = self._perf()
+        self._created = _perf()
         self._none_state: ModelState | None = None
         self._next_model_id = 0
         self._emitted = 0  # records poll() turned into rows
@@ -324,12 +324,12 @@ class Tracer:
     @contextmanager
     def _span_cm(self, name: str, args: dict[str, Any]) -> Iterator[None]:
         start_wall = time.time_ns()
-        t0 = self._perf()
+        t0 = _perf()
         try:
             yield
         finally:
             try:
-                self._emit_span(name, start_wall, self._perf() - t0, args)
+                self._emit_span(name, start_wall, _perf() - t0, args)
             except Exception as exc:
                 self._gate.fail("span", exc)
 
@@ -618,7 +618,7 @@ class Tracer:
 
     def _h2d_begin(self) -> tuple[int, Any]:
         try:
-            t = self._perf()
+            t = _perf()
             ev = self._backend.mark() if self._backend is not None else None
             self._h2d_t0 = t
             return (t, ev)
@@ -632,7 +632,7 @@ class Tracer:
             if not t0:
                 return
             self._h2d_t0 = 0
-            t = self._perf()
+            t = _perf()
             rec = self._active
             if rec is not None:
                 rec.h2d += t - t0
@@ -653,7 +653,7 @@ class Tracer:
 
     def _comm_begin(self) -> tuple[int, Any]:
         try:
-            return (self._perf(), self._backend.mark() if self._backend is not None else None)
+            return (_perf(), self._backend.mark() if self._backend is not None else None)
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
             return (0, None)
@@ -661,7 +661,7 @@ class Tracer:
     def _comm_wait(self, rec: StepRecord) -> None:
         """The last DDP bucket was launched: backward compute is done, the rest is waiting."""
         try:
-            rec.comm_wait = self._perf()  # set from the autograd thread; status() compares it
+            rec.comm_wait = _perf()  # set from the autograd thread; status() compares it
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
 
@@ -671,7 +671,7 @@ class Tracer:
             t0, ev0 = start
             if not t0:
                 return
-            t = self._perf()
+            t = _perf()
             if rec.comm is None:
                 rec.comm = []
             rec.comm.append((t0, t))
@@ -749,7 +749,7 @@ class Tracer:
                     return
                 self._emitted += 1
                 self._emit("steps", self._host_row(rec))
-        now = self._perf()
+        now = _perf()
         while True:
             # Pop before judging: the training thread may take the oldest out concurrently
             # when the queue is full (_overflow_device); a record not done yet goes back.
