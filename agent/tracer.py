@@ -639,6 +639,11 @@ class Tracer:
                 rec.ph_end = t
                 if self._backend is not None:
                     self._dev_pair(rec, H2D, ev0)
+            elif self._last is None:
+                # Before the first step: set-up (model.cuda(), buffers), not any step's
+                # input. Charged to step 0, moving a large model would read as seconds of H2D.
+                if ev0 is not None and self._backend is not None:
+                    self._backend.release(ev0)
             else:
                 self._h2d_out += t - t0
                 self._rare = True  # the next step's enter charges it

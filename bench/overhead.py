@@ -77,6 +77,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import agent
+from agent.capture.events import default_backend
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 
@@ -175,15 +176,26 @@ def calibrate_spin() -> float:
     return statistics.median(rates)
 
 
+# --device cuda: the model lives on the GPU, each batch is copied there inside the step
+# (pinned, non_blocking), and the tracers time phases with CUDA events.
+DEVICE = torch.device("cpu")
+
+
+def _event_backend() -> Any:
+    """The tracer's backend for DEVICE: host clock on CPU, pooled CUDA events on a GPU."""
+    return default_backend() if DEVICE.type == "cuda" else None
+
+
 class Workload:
     """One model + optimizer + endless loader; ``step`` runs one padded step."""
 
     def __init__(self, n_modules: int, evict_mb: float = 0.0) -> None:
-        self.model = make_model(n_modules, evict_mb)
+        self.model = make_model(n_modules, evict_mb).to(DEVICE)
         first = self.model[0] if len(self.model) else None
         self.evict: list[int] | None = first.junk if isinstance(first, Evict) else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-        self.loader = DataLoader(TensorDataset(torch.randn(4096, 8)), batch_size=4)
+        self.loader = DataLoader(TensorDataset(torch.randn(4096, 8)), batch_size=4,
+                                 pin_memory=DEVICE.type == "cuda")
         self._it: Iterator[Any] = iter(self.loader)
         self.pad = 0
         self.tracers: dict[str, Any] = {}
@@ -197,6 +209,8 @@ class Workload:
         return x
 
     def _body(self, x: torch.Tensor) -> None:
+        if DEVICE.type == "cuda":
+            x = x.to(DEVICE, non_blocking=True)
         self.model(x).sum().backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -375,7 +389,7 @@ def run_block(mode: str, work: Workload, steps: int, recorder: Recorder,
         tracer = work.tracers.get(mode)
         if tracer is None:
             factory = Tracer if mode == "tracer" else REFERENCE_TRACER[0]
-            tracer = work.tracers[mode] = factory(recorder, event_backend=None)
+            tracer = work.tracers[mode] = factory(recorder, event_backend=_event_backend())
         tracer.install()
         trace = tracer.trace_step
     elif mode == "public":
@@ -719,9 +733,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="cold-cache control: the model's first module walks this many MiB in forward and "
                          "backward, and so does the padding (see Evict)")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default 12; --quick 4, --long 24)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: model on the GPU, batch copied in the step, phases timed with CUDA events "
+                         "(the training thread's cost then includes recording them)")
     ap.add_argument("--budget-ms", type=float, default=0.0,
                     help="timed ms per mode per configuration (default 2500; --quick 800, --long 6000)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     torch.set_num_threads(1)
     rounds = args.rounds or (24 if args.long else (4 if args.quick else 12))
     budget_ms = args.budget_ms or (6000.0 if args.long else (800.0 if args.quick else 2500.0))
@@ -743,7 +764,7 @@ def main(argv: list[str] | None = None) -> None:
         start_public()
     recorder = Recorder()
     rate = calibrate_spin()
-    print(f"spin calibration: {rate * 1e3:.1f} iterations/us; modes {', '.join(modes)} run interleaved, "
+    print(f"device {DEVICE}; spin calibration: {rate * 1e3:.1f} iterations/us; modes {', '.join(modes)} run interleaved, "
           f"{rounds} rounds, {budget_ms:.0f} timed ms per mode per configuration", flush=True)
     sizes = [int(n) for n in args.modules.split(",")]
     targets = [float(ms) for ms in args.targets.split(",")]
@@ -759,7 +780,7 @@ def main(argv: list[str] | None = None) -> None:
         for value in r.values():
             if isinstance(value, dict):
                 value.pop("boot", None)
-    print(json.dumps({"configs": results, "cpu": figures, "wall": figures_wall, "agent_work_per_step": work, **launch}))
+    print(json.dumps({"device": args.device, "configs": results, "cpu": figures, "wall": figures_wall, "agent_work_per_step": work, **launch}))
 
 
 if __name__ == "__main__":

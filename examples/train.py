@@ -1,6 +1,8 @@
-"""A small CPU training script traced by TraceML (DDP, FSDP2 or single process).
+"""A small training script traced by TraceML (DDP, FSDP2 or single process).
 
-Runs under ``torchrun`` (gloo backend) or plain ``python``. Used by the demo and
+Runs under ``torchrun`` or plain ``python``, on the CPU with gloo by default, or
+with ``--device cuda`` on GPUs (NCCL when every local rank has a GPU of its own,
+gloo when ranks share one). Used by the demo and
 the end-to-end tests, and a template for instrumenting a real script: the only
 TraceML lines are ``agent.init()``, ``with agent.trace_step(model):``,
 ``agent.log(...)`` and ``agent.shutdown()``.
@@ -62,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slow-nodes", default="", help="comma-separated node ranks (GROUP_RANK) whose collate sleeps")
     p.add_argument("--slow-ms", type=float, default=20.0, help="collate sleep of a slow rank, ms")
     p.add_argument("--seed", type=int, default=0, help="seeds the model and each rank's data")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: model on local rank's GPU, batches copied in the step (non_blocking, pinned)")
     p.add_argument(
         "--perturb-from",
         type=int,
@@ -85,14 +89,23 @@ def build_model(dim: int, hidden: int, layers: int) -> nn.Module:
 def main() -> None:
     args = parse_args()
     distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = torch.device("cpu")
+    backend = "gloo"
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        # NCCL refuses two ranks on one GPU; gloo all-reduces CUDA tensors through the host.
+        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo"
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     rank = dist.get_rank() if distributed else 0
     node = int(os.environ.get("GROUP_RANK", "0"))
     agent.init()
 
     torch.manual_seed(args.seed)
-    model: nn.Module = build_model(args.dim, args.hidden, args.layers)
+    model: nn.Module = build_model(args.dim, args.hidden, args.layers).to(device)
     if distributed and args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -101,12 +114,13 @@ def main() -> None:
                 fully_shard(block)
         fully_shard(model)
     elif distributed:
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     slow = str(rank) in args.slow_ranks.split(",") or str(node) in args.slow_nodes.split(",")
     dataset = SyntheticDataset(args.steps * args.batch, args.dim, seed=args.seed + rank)
-    loader = DataLoader(dataset, batch_size=args.batch, collate_fn=SlowCollate(args.slow_ms / 1000 if slow else 0.0))
+    loader = DataLoader(dataset, batch_size=args.batch, collate_fn=SlowCollate(args.slow_ms / 1000 if slow else 0.0),
+                        pin_memory=device.type == "cuda")
 
     for step, (x, y) in enumerate(loader):
         if args.perturb_from is not None and step >= args.perturb_from:
@@ -114,6 +128,8 @@ def main() -> None:
             # first logged loss that differs is step K's (an lr change would first show at K+1).
             y = y + args.perturb_by
         with agent.trace_step(model):
+            if device.type == "cuda":
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()

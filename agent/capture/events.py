@@ -36,29 +36,69 @@ class EventBackend(Protocol):
 
 
 class CudaEventBackend:
-    """Pooled ``torch.cuda.Event(enable_timing=True)``; created lazily up to ``cap``."""
+    """Pooled ``torch.cuda.Event(enable_timing=True)``; created lazily up to ``cap``.
+
+    Every call here runs on the training thread, so each goes straight to torch's C
+    functions where the public wrappers cost far more than the work (measured on an
+    H100 host, bench/cuda_calls.py): ``max_memory_allocated()`` and ``memory_reserved()``
+    each build and flatten the allocator's whole statistics dict in Python, and
+    ``Event.record()`` builds a new ``Stream`` object to find the current stream.
+    Here one statistics read gives both figures, and streams are looked up by their
+    C id in a small cache. Where a private function is missing (another torch) the
+    public API is used instead.
+    """
 
     def __init__(self, cap: int = 8192) -> None:
         import torch
 
         self._torch = torch
-        self._free: list[Any] = []
+        # Per device: an event is bound to the device of its first record.
+        self._free: dict[int, list[Any]] = {}
         self._created = 0
         self.cap = cap
         self.exhausted = 0
+        self._streams: dict[tuple[int, int, int], Any] = {}
+        c = torch._C
+        try:
+            self._device = c._cuda_getDevice
+            self._stream_key = c._cuda_getCurrentStream
+            self._record = c._CudaEventBase.record
+            self._stats = c._cuda_memoryStats
+            self._reset = c._cuda_resetPeakMemoryStats
+            self._fast = True
+        except AttributeError:
+            self._fast = False
+
+    def _current_stream(self, device: int) -> Any:
+        key = self._stream_key(device)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            if len(self._streams) < 256:  # a job that makes streams without end stays bounded
+                self._streams[key] = stream
+        return stream
 
     def mark(self) -> Any | None:
         # list.pop/append are atomic under the GIL: the comm-hook callback
         # thread and the training thread may both mark without a lock.
+        fast = self._fast
+        device = self._device() if fast else self._torch.cuda.current_device()
+        free = self._free.get(device)
+        if free is None:
+            free = self._free.setdefault(device, [])
         try:
-            ev = self._free.pop()
+            ev = free.pop()
         except IndexError:
             if self._created >= self.cap:
                 self.exhausted += 1
                 return None
             ev = self._torch.cuda.Event(enable_timing=True)
+            ev._traceml_device = device
             self._created += 1
-        ev.record()
+        if fast:
+            self._record(ev, self._current_stream(device))
+        else:
+            ev.record()
         return ev
 
     def done(self, event: Any) -> bool:
@@ -68,12 +108,18 @@ class CudaEventBackend:
         return int(start.elapsed_time(end) * 1_000_000.0)
 
     def release(self, event: Any) -> None:
-        self._free.append(event)
+        self._free.setdefault(event._traceml_device, []).append(event)
 
     def reset_peak(self) -> None:
-        self._torch.cuda.reset_peak_memory_stats()
+        if self._fast:
+            self._reset(self._device())
+        else:
+            self._torch.cuda.reset_peak_memory_stats()
 
     def memory(self) -> tuple[int | None, int | None]:
+        if self._fast:
+            stats = self._stats(self._device())
+            return int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["current"])
         cuda = self._torch.cuda
         return int(cuda.max_memory_allocated()), int(cuda.memory_reserved())
 

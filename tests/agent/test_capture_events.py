@@ -197,3 +197,25 @@ def test_device_queue_is_bounded_oldest_leaves_with_host_timings(recorder: Recor
     assert recorder.drain()["steps"]["step"] == [6, 7, 8, 9]  # resolved from their device events
     assert backend.live == set()
     assert tracer.counters()["device_steps_overflow"] == 6
+
+
+def copy(tracer: Tracer, ms: float) -> None:
+    """What the Tensor.to/.cuda wrappers (capture.h2d, installed on CUDA machines) call around a copy."""
+    token = tracer._h2d_begin()
+    time.sleep(ms / 1000)
+    tracer._h2d_end(token)
+
+
+def test_copies_before_the_first_step_are_set_up_and_between_steps_the_next_steps(
+        tracer: Tracer, recorder: Recorder, backend: FakeBackend) -> None:
+    copy(tracer, 30)  # model.cuda() and friends, before any step
+    run_steps(tracer, 1)
+    copy(tracer, 5)  # a prefetch between steps feeds the next step
+    last = run_steps(tracer, 1)
+    backend.complete_upto(last[0])
+    tracer.poll()
+    steps = recorder.drain()["steps"]
+    assert steps["h2d_ns"][0] == 0
+    assert 5_000_000 <= steps["h2d_ns"][1] < 30_000_000
+    assert steps["step_ns"][1] >= steps["h2d_ns"][1]  # the step is charged with its input's copy
+    assert backend.live == set()  # the set-up copy's events went back to the pool
