@@ -96,7 +96,9 @@ class CudaEventBackend:
             ev._traceml_device = device
             self._created += 1
         if fast:
-            self._record(ev, self._current_stream(device))
+            # The current stream by its C id (a tuple), the Stream object from the cache.
+            stream = self._streams.get(self._stream_key(device))
+            self._record(ev, stream if stream is not None else self._current_stream(device))
         else:
             ev.record()
         return ev
