@@ -181,7 +181,7 @@ class Tracer:
     # False from __exit__: the runtime hands them to user code without a Guarded wrapper.
     FAIL_OPEN_CONTEXTS = True
 
-    # Slots, hot ones first. With its 36 attributes an instance's __dict__ no longer shares
+    # Slots, hot ones first. With its 37 attributes an instance's __dict__ no longer shares
     # keys (CPython 3.11 stops at 30): it was a 1.5 KB hash table whose entries the hooks'
     # lookups hit at scattered places. Slots are fixed offsets, and the fields a step
     # touches share the object's first cache lines (a step runs with cold caches).
@@ -191,7 +191,7 @@ class Tracer:
         "_h2d_out", "_h2d_out_dev", "_recorder", "_gate", "_deep_dive", "_deep_every", "_timeout_ns",
         "_cuda", "_wall_offset_ns", "_created", "_none_state", "_next_model_id", "_emitted",
         "_dropped_seen", "_scalars", "_rss", "_undo", "_installed", "device_steps_dropped",
-        "device_steps_fallback", "device_steps_overflow", "_max_pending", "__weakref__",
+        "device_steps_fallback", "device_steps_overflow", "_max_pending", "_backend_undecided", "__weakref__",
     )
 
     def __init__(
@@ -206,6 +206,9 @@ class Tracer:
         max_pending_steps: int | None = None,
     ) -> None:
         backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
+        # A backend picked automatically is confirmed at the first traced model: a CPU job
+        # on a GPU machine keeps the host clock (see _decide_backend).
+        self._backend_undecided = event_backend is _AUTO and backend is not None
         # The attributes every step reads or writes come first (see __slots__).
         self._active: StepRecord | None = None
         # DataLoader fetches since the last step entered: the fed loader's last wait
@@ -476,6 +479,8 @@ class Tracer:
     def _new_state(self, model: torch.nn.Module | None) -> ModelState:
         if not self._installed:
             self.install()
+        if self._backend_undecided:
+            self._decide_backend()
         info = describe(model)
         state = _StepContext(self, self._next_model_id, model, info)
         self._next_model_id += 1
@@ -499,6 +504,30 @@ class Tracer:
         return state
 
     # ------------------------------------------- step enter/exit: the rarer branches
+
+    def _decide_backend(self) -> None:
+        """Keep the automatic CUDA backend only if this process uses CUDA.
+
+        Decided once, when the first model is traced (its parameters are where they
+        will train by then). A CPU job on a GPU machine would otherwise record CUDA
+        events on an idle device every step and make each rank create a CUDA context
+        (hundreds of MB of GPU memory, a second or more) for nothing.
+        """
+        self._backend_undecided = False
+        try:
+            in_use = bool(torch.cuda.is_initialized())
+        except Exception:
+            in_use = False
+        if in_use or self._steps_done or self._pending:
+            return
+        self._backend = None
+        self._pending = deque(maxlen=self._max_pending)  # empty: the CPU queue drops the oldest
+        # The global patches hold the backend they were installed with: install them again.
+        if self._installed:
+            while self._undo:
+                self._undo.pop()()
+            self._installed = False
+            self.install()
 
     def _enter_rare(self, rec: StepRecord, state: ModelState, fed: bool) -> None:
         """Step enter's out-of-line branch (see _StepContext.__enter__)."""

@@ -219,3 +219,32 @@ def test_copies_before_the_first_step_are_set_up_and_between_steps_the_next_step
     assert 5_000_000 <= steps["h2d_ns"][1] < 30_000_000
     assert steps["step_ns"][1] >= steps["h2d_ns"][1]  # the step is charged with its input's copy
     assert backend.live == set()  # the set-up copy's events went back to the pool
+
+
+@pytest.mark.parametrize("cuda_in_use", [False, True])
+def test_automatic_backend_is_kept_only_where_the_process_uses_cuda(
+        monkeypatch: pytest.MonkeyPatch, recorder: Recorder, cuda_in_use: bool) -> None:
+    """A GPU machine (faked: none here) running a CPU job keeps the host clock; a job
+    whose model is on the GPU (CUDA initialized by then) times with device events."""
+    import agent.tracer as tracer_module
+
+    backend = FakeBackend()
+    monkeypatch.setattr(tracer_module, "default_backend", lambda: backend)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda_in_use)
+    tracer = Tracer(recorder, event_timeout_s=3600)  # automatic backend
+    tracer.install()
+    try:
+        last = run_steps(tracer, 2)
+        if cuda_in_use:
+            backend.complete_upto(last[-1])
+        tracer.poll()
+    finally:
+        tracer.uninstall()
+    steps = recorder.drain()["steps"]
+    assert steps["step"] == [0, 1]
+    if cuda_in_use:
+        assert tracer._backend is backend and backend.marked
+        assert steps["peak_bytes"] == [1234, 1234]
+    else:
+        assert tracer._backend is None and backend.marked == []  # no event was ever recorded
+        assert steps["peak_bytes"] == [None, None]
