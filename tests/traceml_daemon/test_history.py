@@ -4,6 +4,8 @@ always holds the latest point, and overview reads bounded by the width."""
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import sqlite3
 from pathlib import Path
 
@@ -173,3 +175,92 @@ def test_history_interval_stretches_with_ranks_up_to_its_max() -> None:
     assert policy.history_interval_for(1_000_000) == 4.0
     # A longer base interval (tests: "only when forced") is never shortened.
     assert IngestPolicy(history_interval=3600.0).history_interval_for(4096) == 3600.0
+
+
+def test_history_backlog_bound_grows_with_ranks() -> None:
+    policy = IngestPolicy(history_backlog_rows=65_536, history_backlog_rows_per_rank=64)
+    assert policy.history_backlog_rows_for(8) == 65_536  # the floor
+    assert policy.history_backlog_rows_for(4096) == 64 * 4096  # 4096 ranks x 10 steps/s: 6.4 s of rows
+
+
+def _reference_stats(cols: dict[str, list], rows: list[int]) -> history.Stats:
+    """Stats of ``rows`` computed naively, value by value."""
+    steps = [cols["step"][i] for i in rows]
+    ts = [cols["ts"][i] for i in rows if cols["ts"][i] is not None]
+    out: history.Stats = [len(steps), min(steps), max(steps), max(ts) if ts else None]
+    for name in history.HISTORY_COLUMNS[2:]:
+        values = [cols[name][i] for i in rows if cols[name][i] is not None]
+        out += [len(values), min(values), max(values), sum(values)] if values else [0, None, None, 0]
+    return out
+
+
+def test_bucket_deltas_equal_a_naive_pass_in_any_order_with_gaps_and_nulls() -> None:
+    rng = random.Random(3)
+    by_rank = {}
+    for rank_id, steps in {
+        1: list(range(1000, 1100)),  # in order, across a level-1024 boundary
+        2: rng.sample(range(16_000, 16_800), 300),  # out of order, across a level-16384 boundary
+        3: [5, 7, None, 6],  # a step of None is left out of every figure
+        4: [42],
+        5: list(range(64, 128)),  # exactly one fine bucket
+    }.items():
+        n = len(steps)
+        cols = {"step": steps, "ts": [None if rng.random() < 0.2 else rng.random() for _ in range(n)]}
+        for name in history.HISTORY_COLUMNS[2:]:
+            cols[name] = [None if rng.random() < 0.1 else rng.randint(0, 10**9) for _ in range(n)]
+        cols["wait_ns"] = [None] * n  # never measured
+        by_rank[rank_id] = cols
+    expected = {}
+    for rank_id, cols in by_rank.items():
+        for level in HISTORY_LEVELS:
+            buckets: dict[int, list[int]] = {}
+            for i, step in enumerate(cols["step"]):
+                if step is not None:
+                    buckets.setdefault(step // level, []).append(i)
+            for bucket, rows in buckets.items():
+                expected[(rank_id, level, bucket)] = _reference_stats(cols, rows)
+    assert history.bucket_deltas(by_rank) == expected
+    node_of = {1: ("s", 0, 0), 2: ("s", 0, 0), 3: ("s", 0, 1), 4: ("s", 0, 1), 5: None}
+    nodes = history.node_deltas(expected, node_of.get)
+    merged: dict[tuple, history.Stats] = {}
+    for (rank_id, level, bucket), stats in expected.items():
+        node = node_of[rank_id]
+        if node is not None:
+            key = (*node, level, bucket)
+            if key in merged:
+                history.merge_into(merged[key], stats)
+            else:
+                merged[key] = list(stats)
+    assert nodes == merged
+
+
+def test_reservoir_sample_is_the_reference_algorithm_l() -> None:
+    """``offer_columns`` inlines ``_draws`` and ``_gap``: the rows and state it leaves
+    equal the reference loop's, whatever the chunking of the points."""
+    k, rank_id, total = 16, 7, 3000
+    cols = {name: list(range(j * 10**6, j * 10**6 + total)) for j, name in enumerate(history.HISTORY_COLUMNS)}
+    columns = history.history_columns(cols)
+    # The reference: Algorithm L, one point at a time, through _draws and _gap.
+    rows: dict[tuple[int, int], tuple] = {}
+    w, take = 0.0, 0
+    for i in range(total):
+        if i < k:
+            rows[(rank_id, i)] = (rank_id, i, *(c[i] for c in columns))
+            continue
+        if w == 0.0:
+            u1, u2, _ = history.Reservoir._draws(rank_id, -k - 1)
+            w = math.exp(math.log(u1) / k)
+            take = k - 1 + history.Reservoir._gap(w, u2)
+        if i == take:
+            u1, u2, h = history.Reservoir._draws(rank_id, take)
+            rows[(rank_id, h % k)] = (rank_id, h % k, *(c[i] for c in columns))
+            w *= math.exp(math.log(u1) / k)
+            take += history.Reservoir._gap(w, u2)
+    rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *(c[-1] for c in columns))
+    for chunk in (total, 1, 7, 500):
+        sampler, update = history.Reservoir(size=k), history.ReservoirUpdate()
+        for start in range(0, total, chunk):
+            sampler.offer_columns(rank_id, [c[start : start + chunk] for c in columns], update)
+        assert update.rows == rows, chunk
+        state = sampler.states[rank_id]
+        assert (state.seen, state.next_take, state.w) == (total, take, w), chunk

@@ -118,6 +118,31 @@ def test_history_is_written_once_the_backlog_passes_its_bound(tmp_path: Path) ->
         assert stored_buckets(conn, level) == raw_buckets(conn, level), level
 
 
+def test_history_backlog_bound_is_per_rank_with_many_ranks(tmp_path: Path) -> None:
+    """With many ranks the per-rank bound, not the floor, makes a write due: the
+    interval sets the pace of history writes (each rewrites every rank's buckets)."""
+    db = tmp_path / "p.db"
+    policy = IngestPolicy(history_interval=3600.0, history_backlog_rows=100, history_backlog_rows_per_rank=200)
+    ranks = [0, 1, 2]  # bound: 3 x 200 = 600 rows, not 100
+
+    async def run() -> None:
+        writer = StoreWriter(str(db), policy=policy)
+        await writer.open()
+        assert await writer.write([batch(1, ranks, 0, 50)])
+        assert await writer.write([batch(2, ranks, 50, 50)])  # the first write of history is due at once
+        held = []
+        for seq in range(3, 7):
+            assert await writer.write([batch(seq, ranks, 50 * (seq - 1), 50)])
+            held.append(writer.backlog.rows)
+        assert held == [300, 450, 600, 150]  # folded and written once it reached 600
+        await writer.close()
+
+    asyncio.run(run())
+    conn = ro(db)
+    for level in HISTORY_LEVELS:
+        assert stored_buckets(conn, level) == raw_buckets(conn, level), level
+
+
 def test_aggregates_fold_unread_pushes_and_reads_see_every_step() -> None:
     agg = Aggregates(window=200)
     for i in range(100):  # 100 pushes of 3 steps, never read

@@ -9,26 +9,27 @@ folded once per history write, as one long run of steps per rank.
 
 The batches are kept whole (the decoded columns, shared with the live
 aggregates, never copied); the columns history reads are picked out by index
-once per fold. The writer folds early once the backlog holds ``IngestPolicy.history_backlog_rows`` rows, so its memory is
-bounded whatever the ingest rate.
+once per fold. The writer folds early once the backlog holds
+``IngestPolicy.history_backlog_rows_for`` rows (a floor, or 64 per known rank),
+so its memory is bounded whatever the ingest rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
-from typing import Any
 
 from traceml_daemon.ingest import TABLE_COLUMNS, RankState
-from traceml_daemon.store.schema import HISTORY_METRICS
+from traceml_daemon.store.history import HISTORY_COLUMNS
 from traceml_wire.tables import Column
 
-HISTORY_COLUMNS = ("step", "ts", *(f"{m}_ns" for m in HISTORY_METRICS))
 # Where each history column sits in a step batch (``TABLE_COLUMNS["steps"]`` order).
 _HISTORY_INDEX = tuple(TABLE_COLUMNS["steps"].index(name) for name in HISTORY_COLUMNS)
 _PICK = itemgetter(*_HISTORY_INDEX)
+_GETTERS = tuple(map(itemgetter, _HISTORY_INDEX))
+_chain = chain.from_iterable
 
 
 @dataclass
@@ -60,15 +61,16 @@ class StepBacklog:
         self.chunks, self.states, self.rows = {}, {}, 0
         return taken
 
-    def by_rank(self) -> dict[int, dict[str, Sequence[Any]]]:
-        """rank_id -> its steps as one set of history columns (read-only), in commit order."""
-        out: dict[int, dict[str, Sequence[Any]]] = {}
+    def by_rank(self) -> dict[int, list[Column]]:
+        """rank_id -> its steps as one set of history columns (``HISTORY_COLUMNS`` order,
+        read-only), in commit order."""
+        return dict(self.columns())
+
+    def columns(self) -> Iterator[tuple[int, list[Column]]]:
+        """``by_rank`` one rank at a time: a fold that consumes each rank's columns
+        before the next are made never holds every rank's copy at once."""
         for rank_id, chunks in self.chunks.items():
             if len(chunks) == 1:  # common with many ranks: the columns as they are, no copy
-                out[rank_id] = dict(zip(HISTORY_COLUMNS, _PICK(chunks[0]), strict=True))
-                continue
-            out[rank_id] = {
-                name: list(chain.from_iterable(map(itemgetter(i), chunks)))
-                for name, i in zip(HISTORY_COLUMNS, _HISTORY_INDEX, strict=True)
-            }
-        return out
+                yield rank_id, list(_PICK(chunks[0]))
+            else:
+                yield rank_id, [list(_chain(map(get, chunks))) for get in _GETTERS]

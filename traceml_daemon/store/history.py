@@ -21,6 +21,12 @@ Writing side (pure, used by ``StoreWriter`` and by ``bench/history.py``):
     sampler.offer(rank_id, cols, plan)               # reservoir rows to upsert
     conn.executemany(RANK_UPSERT, rank_rows(deltas)) # merge in SQL
 
+The writer calls the column-list forms (``add_rank_deltas``, ``offer_columns``:
+columns in ``HISTORY_COLUMNS`` order) one rank at a time. Everything is exact and
+order-free (integer sums, min, max), so how steps are split into folds never
+changes what is stored, and the reservoir's draws are a pure function of the
+position, so neither does its sample.
+
 Reading side: ``overview(conn, run, width)`` and the ``*_series`` functions.
 """
 
@@ -32,7 +38,8 @@ import statistics
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
+from operator import itemgetter
 from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst
@@ -45,6 +52,7 @@ Stats = list[Any]
 _BASE = 4
 _WIDTH = _BASE + 4 * len(HISTORY_METRICS)
 _METRIC_COLS = tuple(f"{m}_ns" for m in HISTORY_METRICS)
+_chain = chain.from_iterable
 
 
 def _lo(a: Any, b: Any) -> Any:
@@ -69,26 +77,46 @@ def merge_into(acc: Stats, other: Stats) -> None:
             acc[i + 3] += other[i + 3]
 
 
-def _stats_of(cols: dict[str, Sequence[Any]], steps: Sequence[int], idx: slice | list[int]) -> Stats:
-    """Stats of the rows ``idx`` selects (a slice when rows are in step order).
+# A rank's history columns: ``HISTORY_COLUMNS`` order, each a sequence over its steps.
+HISTORY_COLUMNS = ("step", "ts", *_METRIC_COLS)
+Columns = Sequence[Sequence[Any]]
 
-    Every figure is a C-level pass over a column slice (min, max, sum), so the
-    cost is per bucket and metric, not per row."""
 
-    def pick(values: Sequence[Any]) -> Sequence[Any]:
-        return values[idx] if isinstance(idx, slice) else [values[i] for i in idx]
-
-    ts = pick(cols["ts"])
-    sel = pick(steps)
+def _low(values: Sequence[Any]) -> Any:
+    """min() ignoring None (None when there is nothing else)."""
     try:
-        last_ts = max(ts, default=None)
-    except TypeError:  # a None among numbers
-        last_ts = max((t for t in ts if t is not None), default=None)
-    out: Stats = [len(sel), min(sel), max(sel), last_ts]
-    for name in _METRIC_COLS:
-        values = pick(cols[name])
+        return min(values)
+    except TypeError:  # a None among numbers (or several Nones)
+        return min((v for v in values if v is not None), default=None)
+
+
+def _high(values: Sequence[Any]) -> Any:
+    try:
+        return max(values)
+    except TypeError:
+        return max((v for v in values if v is not None), default=None)
+
+
+def _stats_of(cols: Columns) -> Stats:
+    """Stats of whole columns (``HISTORY_COLUMNS`` order, steps all set, at least one row).
+
+    Every figure is a C-level pass over a column: with no None in any metric (the
+    usual case) one ``map`` per figure covers every metric at once."""
+    steps, ts, *metrics = cols
+    n = len(steps)
+    head: Stats = [n, min(steps), max(steps), _high(ts)]
+    try:
         # sum() fails on any None ("not measured", which stays out of every figure):
         # trying first saves a scan for None on every column of every bucket.
+        sums = list(map(sum, metrics))
+    except TypeError:
+        return head + _metric_stats(metrics)
+    return head + list(_chain(zip(repeat(n), map(min, metrics), map(max, metrics), sums)))
+
+
+def _metric_stats(metrics: Columns) -> Stats:
+    out: Stats = []
+    for values in metrics:
         try:
             total = sum(values)
         except TypeError:
@@ -101,68 +129,104 @@ def _stats_of(cols: dict[str, Sequence[Any]], steps: Sequence[int], idx: slice |
     return out
 
 
-def _groups(steps: Sequence[int], size: int) -> Iterable[tuple[int, slice | list[int]]]:
-    """(bucket, rows) for the finest level; slices when steps arrive in order (the usual case)."""
-    if list(steps) == sorted(steps):  # C-level; linear on sorted input (steps may be a tuple)
+def _merged(group: Sequence[Stats]) -> Stats:
+    """``group`` merged into one new Stats (as ``merge_into`` one by one, order-free):
+    one C-level pass per figure over the group instead of a Python loop per member."""
+    if len(group) == 1:
+        return list(group[0])
+    figures = list(zip(*group, strict=True))
+    out: Stats = [sum(figures[0]), _low(figures[1]), _high(figures[2]), _high(figures[3])]
+    for i in range(_BASE, _WIDTH, 4):
+        # A metric no member measured has count 0, min and max None and sum 0.
+        out += [sum(figures[i]), _low(figures[i + 1]), _high(figures[i + 2]), sum(figures[i + 3])]
+    return out
+
+
+def _fine_groups(steps: Sequence[int], size: int) -> list[tuple[int, slice | list[int] | None]]:
+    """(bucket, rows) for the finest level: None for all rows, slices when steps arrive
+    in order (the usual case), index lists otherwise."""
+    first, last = steps[0], steps[-1]
+    ordered = sorted(steps)
+    if ordered == list(steps):  # C-level; linear on sorted input (steps may be a tuple)
+        if first // size == last // size:
+            return [(first // size, None)]
         # One bisect per bucket instead of a division per row.
+        out: list[tuple[int, slice | list[int] | None]] = []
         start, n = 0, len(steps)
         while start < n:
             bucket = steps[start] // size
             end = bisect_left(steps, (bucket + 1) * size, start)
-            yield bucket, slice(start, end)
+            out.append((bucket, slice(start, end)))
             start = end
-        return
+        return out
     by: dict[int, list[int]] = {}
     for i, s in enumerate(steps):
         by.setdefault(s // size, []).append(i)
-    yield from by.items()
+    return list(by.items())
+
+
+def _pick(cols: Columns, idx: slice | list[int] | None) -> Columns:
+    if idx is None:
+        return cols
+    if isinstance(idx, slice):
+        return [c[idx] for c in cols]
+    return [[c[i] for i in idx] for c in cols]
+
+
+def add_rank_deltas(rank_id: int, cols: Columns, out: dict[tuple[int, int, int], Stats]) -> None:
+    """Add what one rank's columns (``HISTORY_COLUMNS`` order) add to every level to ``out``.
+
+    Only the finest level is computed from rows, per bucket; a coarser level whose
+    bucket holds all of the rank's rows (the usual case: a write carries a few dozen
+    steps per rank) takes the merged stats of the finest buckets, merged once;
+    otherwise each of its buckets merges the finest buckets it holds (the levels nest).
+    """
+    steps = cols[0]
+    if None in steps:
+        keep = [i for i, s in enumerate(steps) if s is not None]
+        cols = [[v[i] for i in keep] for v in cols]
+        steps = cols[0]
+    if not steps:
+        return
+    fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
+    fine_stats = [(bucket, _stats_of(_pick(cols, idx))) for bucket, idx in _fine_groups(steps, fine)]
+    for bucket, stats in fine_stats:
+        out[(rank_id, fine, bucket)] = stats
+    lo, hi = fine_stats[0][0] * fine, fine_stats[-1][0] * fine
+    if len(fine_stats) > 1:  # out of order: the first and last bucket are not the extremes
+        lo, hi = min(steps), max(steps)
+    whole: Stats | None = fine_stats[0][1] if len(fine_stats) == 1 else None
+    for level in coarse:
+        if lo // level == hi // level:
+            if whole is None:
+                # Merging the fine buckets' stats costs a few operations per bucket;
+                # another min/max/sum pass over every column cost several per row.
+                whole = _merged([stats for _, stats in fine_stats])
+            out[(rank_id, level, lo // level)] = list(whole)
+            continue
+        groups: dict[int, list[Stats]] = {}
+        for bucket, stats in fine_stats:
+            groups.setdefault(bucket * fine // level, []).append(stats)
+        for bucket, group in groups.items():
+            out[(rank_id, level, bucket)] = _merged(group)
+
+
+def bucket_columns(columns_by_rank: dict[int, Columns]) -> dict[tuple[int, int, int], Stats]:
+    """What these steps add to every (rank_id, level, bucket); columns in ``HISTORY_COLUMNS`` order."""
+    out: dict[tuple[int, int, int], Stats] = {}
+    for rank_id, cols in columns_by_rank.items():
+        add_rank_deltas(rank_id, cols, out)
+    return out
+
+
+def history_columns(cols: dict[str, Sequence[Any]]) -> Columns:
+    """A rank's steps as named columns -> ``HISTORY_COLUMNS`` order."""
+    return [cols[name] for name in HISTORY_COLUMNS]
 
 
 def bucket_deltas(steps_by_rank: dict[int, dict[str, Sequence[Any]]]) -> dict[tuple[int, int, int], Stats]:
-    """What this transaction's steps add to every (rank_id, level, bucket).
-
-    Only the finest level is computed from rows, per bucket; a coarser level whose
-    bucket holds all of the rank's rows (the usual case: a transaction carries a
-    few dozen steps per rank) takes the merged stats of the finest buckets, merged
-    once; otherwise each of its buckets merges the finest buckets it holds (the
-    levels nest).
-    """
-    out: dict[tuple[int, int, int], Stats] = {}
-    fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
-    for rank_id, cols in steps_by_rank.items():
-        steps = cols["step"]
-        if None in steps:
-            keep = [i for i, s in enumerate(steps) if s is not None]
-            cols = {c: [v[i] for i in keep] for c, v in cols.items()}
-            steps = cols["step"]
-        if not steps:
-            continue
-        groups = list(_groups(steps, fine))
-        fine_stats = []
-        for bucket, idx in groups:
-            stats = _stats_of(cols, steps, idx)
-            out[(rank_id, fine, bucket)] = stats
-            fine_stats.append((bucket, stats))
-        lo, hi = min(steps), max(steps)
-        whole: Stats | None = fine_stats[0][1] if len(fine_stats) == 1 else None
-        for level in coarse:
-            if lo // level == hi // level:
-                if whole is None:
-                    # Merging the fine buckets' stats costs a few operations per bucket;
-                    # another min/max/sum pass over every column cost several per row.
-                    whole = list(fine_stats[0][1])
-                    for _, stats in fine_stats[1:]:
-                        merge_into(whole, stats)
-                out[(rank_id, level, lo // level)] = list(whole)
-                continue
-            for bucket, stats in fine_stats:
-                key = (rank_id, level, bucket * fine // level)
-                acc = out.get(key)
-                if acc is None:
-                    out[key] = list(stats)
-                else:
-                    merge_into(acc, stats)
-    return out
+    """What this transaction's steps add to every (rank_id, level, bucket)."""
+    return bucket_columns({rank_id: history_columns(cols) for rank_id, cols in steps_by_rank.items()})
 
 
 NodeKey = tuple[str, int, int]  # session, attempt, node_rank
@@ -171,18 +235,23 @@ NodeKey = tuple[str, int, int]  # session, attempt, node_rank
 def node_deltas(
     deltas: dict[tuple[int, int, int], Stats], node_of: Callable[[int], NodeKey | None]
 ) -> dict[tuple[str, int, int, int, int], Stats]:
-    out: dict[tuple[str, int, int, int, int], Stats] = {}
+    """Rank deltas merged per (node, level, bucket): grouped first, then each group
+    merged in one columnar pass (``_merged``)."""
+    groups: dict[tuple[str, int, int, int, int], list[Stats]] = {}
+    last_rank: int | None = None
+    node: NodeKey | None = None
     for (rank_id, level, bucket), stats in deltas.items():
-        node = node_of(rank_id)
+        if rank_id != last_rank:  # a rank's deltas are adjacent: one lookup per rank
+            last_rank, node = rank_id, node_of(rank_id)
         if node is None:
             continue
         key = (*node, level, bucket)
-        acc = out.get(key)
-        if acc is None:
-            out[key] = list(stats)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [stats]
         else:
-            merge_into(acc, stats)
-    return out
+            group.append(stats)
+    return {key: _merged(group) for key, group in groups.items()}
 
 
 # ------------------------------------------------------------------ SQL (write)
@@ -241,13 +310,16 @@ _M64 = (1 << 64) - 1
 _TO_UNIT = 2.0**-53
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a well-mixed 64-bit hash of ``x``."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_LAST = itemgetter(-1)
 
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-mixed 64-bit hash of ``x`` (inlined in ``offer_columns``)."""
+    x = (x + _GOLDEN) & _M64
+    x = ((x ^ (x >> 30)) * _MIX1) & _M64
+    x = ((x ^ (x >> 27)) * _MIX2) & _M64
+    return x ^ (x >> 31)
 
 
 @dataclass
@@ -295,7 +367,11 @@ class Reservoir:
         return int(math.log(u) / math.log1p(-w)) + 1
 
     def offer(self, rank_id: int, cols: dict[str, Sequence[Any]], update: ReservoirUpdate) -> None:
-        steps = cols["step"]
+        self.offer_columns(rank_id, history_columns(cols), update)
+
+    def offer_columns(self, rank_id: int, columns: Columns, update: ReservoirUpdate) -> None:
+        """Offer one rank's new points (``HISTORY_COLUMNS`` order) to its sample."""
+        steps = columns[0]
         n = len(steps)
         if n == 0:
             return
@@ -305,31 +381,49 @@ class Reservoir:
             state = self.states[rank_id] = ReservoirState()
         if rank_id not in update.before:
             update.before[rank_id] = ReservoirState(state.seen, state.next_take, state.w)
-        columns = [steps, cols["ts"], *(cols[c] for c in _METRIC_COLS)]
         rows = update.rows
         start = state.seen
+        end = start + n
         fill = max(0, min(n, k - start))
         if fill:  # filling: every point enters, keys and rows built column-wise in C
             slots = range(start, start + fill)
             keys = zip(repeat(rank_id, fill), slots, strict=True)
             values = zip(repeat(rank_id, fill), slots, *(c[:fill] for c in columns), strict=True)
             rows.update(zip(keys, values, strict=True))
-        if start + n > k:
+        if end > k:
             if state.w == 0.0:  # the sample just filled (or was backfilled by a migration)
                 begin = max(start, k)
                 u1, u2, _ = self._draws(rank_id, -begin - 1)
                 state.w = math.exp(math.log(u1) / k)
                 state.next_take = begin - 1 + self._gap(state.w, u2)
+            w, take = state.w, state.next_take
             # Algorithm L: only the points that enter are touched, ~k*ln(seen) of them in all.
-            while state.next_take < start + n:
-                u1, u2, h = self._draws(rank_id, state.next_take)
-                slot = h % k
-                i = state.next_take - start
-                rows[(rank_id, slot)] = (rank_id, slot, *[c[i] for c in columns])
-                state.w *= math.exp(math.log(u1) / k)
-                state.next_take += self._gap(state.w, u2)
-        state.seen = start + n
-        rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *[c[-1] for c in columns])
+            # ``_draws`` and ``_gap`` inlined (the same arithmetic, so the same sample):
+            # at 4096 ranks early in a run this loop runs ~20,000 times a second.
+            base = rank_id * 1_000_003
+            exp, log, log1p = math.exp, math.log, math.log1p
+            points: list[tuple[Any, ...]] | None = None  # the new points as rows, made at the first draw
+            while take < end:
+                x = (base + take + _GOLDEN) & _M64
+                x = ((x ^ (x >> 30)) * _MIX1) & _M64
+                x = ((x ^ (x >> 27)) * _MIX2) & _M64
+                x ^= x >> 31
+                y = (x + _GOLDEN) & _M64
+                y = ((y ^ (y >> 30)) * _MIX1) & _M64
+                y = ((y ^ (y >> 27)) * _MIX2) & _M64
+                y ^= y >> 31
+                h = (y + _GOLDEN) & _M64
+                h = ((h ^ (h >> 30)) * _MIX1) & _M64
+                h = ((h ^ (h >> 27)) * _MIX2) & _M64
+                slot = (h ^ (h >> 31)) % k
+                if points is None:
+                    points = list(zip(*columns, strict=True))
+                rows[(rank_id, slot)] = (rank_id, slot, *points[take - start])
+                w *= exp(log(((x >> 11) + 1) * _TO_UNIT) / k)
+                take += 1 if w >= 1.0 else int(log(((y >> 11) + 1) * _TO_UNIT) / log1p(-w)) + 1
+            state.w, state.next_take = w, take
+        state.seen = end
+        rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *map(_LAST, columns))
         update.states[rank_id] = state
 
     def rollback(self, update: ReservoirUpdate) -> None:

@@ -31,8 +31,16 @@ class IngestPolicy:
     history_ranks_per_second: int = 1024
     history_interval_max: float = 4.0
     # ... or sooner once this many committed step rows wait to be folded, which
-    # bounds the backlog's memory (9 columns per row) at any ingest rate.
+    # bounds the backlog's memory (9 columns per row) at any ingest rate ...
     history_backlog_rows: int = 65_536
+    # ... and at least this many per known rank, so that the interval above, not the
+    # row bound, sets the pace of history writes with many ranks: 4096 ranks at 10
+    # steps/s fill 65,536 rows in 1.6 s, and history was written every 1.6 s instead
+    # of every 4 s, each write rewriting every rank's current buckets and most of the
+    # reservoir's pages (early in a run each rank replaces dozens of sampled points a
+    # minute). The backlog holds the decoded batches the live aggregates hold anyway
+    # (each rank's until it has 64 rows, aggregates.FOLD_ROWS), so this adds little memory.
+    history_backlog_rows_per_rank: int = 64
     # The writer thread must get the GIL back quickly after each sqlite3_step.
     gil_switch_interval: float = 0.001
     # The cyclic garbage collector runs on this timer, not on allocation counts.
@@ -67,6 +75,10 @@ class IngestPolicy:
             f"PRAGMA cache_size=-{self.sqlite_cache_kib}",
             f"PRAGMA wal_autocheckpoint={self.wal_autocheckpoint_pages}",
         ]
+
+    def history_backlog_rows_for(self, ranks: int) -> int:
+        """Committed step rows that make a history write due, with ``ranks`` ranks known."""
+        return max(self.history_backlog_rows, self.history_backlog_rows_per_rank * ranks)
 
     def history_interval_for(self, ranks: int) -> float:
         """Seconds between history writes with ``ranks`` ranks known."""

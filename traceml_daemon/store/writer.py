@@ -23,8 +23,8 @@ their columns go to the history backlog (``store/backlog.py``) and to the
 live aggregates, both O(1) per rank. History (``store/history.py``) is folded
 from the backlog and written every ``history_interval`` seconds, up to a few
 seconds with thousands of ranks (``IngestPolicy.history_interval_for``), or
-once the backlog holds ``history_backlog_rows`` rows, and at close, at the
-head of a row transaction; the fold runs on the database thread just before
+once the backlog holds ``IngestPolicy.history_backlog_rows_for`` rows, and at
+close, at the head of a row transaction; the fold runs on the database thread just before
 that transaction, so a second's worth of folding never stalls the event loop
 in one piece. Raw rows stay the acknowledged, durable data; history may lag by
 one interval. Each history write also stores ``meta.history_steps_rowid``, the
@@ -46,10 +46,10 @@ import logging
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from itertools import chain
+from itertools import chain, islice
 from typing import Any
 
 import aiosqlite
@@ -103,6 +103,7 @@ MAX_PARAMS = 32_000
 ROWS_PER_STATEMENT = 1024
 
 Statement = tuple[str, Sequence[Any]]  # one multi-row statement and its flat parameters
+_chain = chain.from_iterable
 
 
 @lru_cache(maxsize=512)
@@ -111,23 +112,41 @@ def _values_sql(head: str, tail: str, width: int, nrows: int) -> str:
     return f"{head} VALUES {', '.join([one] * nrows)} {tail}".rstrip()
 
 
-def multi_row(parts: history.SqlParts, flat: Sequence[Any], nrows: int) -> list[Statement]:
-    """Statements inserting ``nrows`` rows whose parameters are ``flat`` (row-major):
-    full chunks of one shape, then the rest in power-of-two pieces, so few shapes
-    exist (each is compiled once, then cached) and each statement is one sqlite3_step."""
-    head, tail, width = parts
+def _statement_sizes(width: int, nrows: int) -> Iterator[int]:
+    """Rows per statement: full chunks of one shape, then the rest in power-of-two
+    pieces, so few shapes exist (each is compiled once, then cached)."""
     per = 1
     while per * 2 <= min(ROWS_PER_STATEMENT, MAX_PARAMS // width):
         per *= 2
-    out: list[Statement] = []
     at = 0
     size = per
     while at < nrows:
         while size > nrows - at:
             size //= 2
+        yield size
+        at += size
+
+
+def multi_row(parts: history.SqlParts, flat: Sequence[Any], nrows: int) -> list[Statement]:
+    """Statements inserting ``nrows`` rows whose parameters are ``flat`` (row-major),
+    each statement one sqlite3_step (see ``_statement_sizes``)."""
+    head, tail, width = parts
+    out: list[Statement] = []
+    at = 0
+    for size in _statement_sizes(width, nrows):
         out.append((_values_sql(head, tail, width, size), flat[at * width : (at + size) * width]))
         at += size
     return out
+
+
+def multi_row_stream(parts: history.SqlParts, rows: Iterable[Iterable[Any]], nrows: int) -> Iterator[Statement]:
+    """Like ``multi_row``, each statement's parameters built only when it is reached
+    (``rows``: ``nrows`` iterables of a row's values, flattened in C): a history write
+    holds ~10^6 parameters, and building them all first doubled its peak memory."""
+    head, tail, width = parts
+    it = iter(rows)
+    for size in _statement_sizes(width, nrows):
+        yield _values_sql(head, tail, width, size), list(_chain(islice(it, size)))
 
 
 def multi_row_columns(parts: history.SqlParts, cols: Sequence[Sequence[Any]], nrows: int) -> list[Statement]:
@@ -182,18 +201,17 @@ _EXACT_PARTS: history.SqlParts = (
 
 
 def _run_transaction(
-    conn: sqlite3.Connection, statements: list[Statement], head: Callable[[], list[Statement]] | None = None
+    conn: sqlite3.Connection, statements: list[Statement], head: Callable[[], Iterable[Statement]] | None = None
 ) -> None:
     """The whole transaction in one call on the database thread: every aiosqlite
     call is a round trip through the event loop and a GIL hand-off, and while the
     loop is busy decoding, each hand-off can wait a whole switch interval.
 
     ``head`` (history) runs here too, on this thread, and its statements go first."""
-    if head is not None:
-        statements = head() + statements
+    todo: Iterable[Statement] = statements if head is None else chain(head(), statements)
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for sql, params in statements:
+        for sql, params in todo:
             conn.execute(sql, params)
         conn.execute("COMMIT")
     except BaseException:
@@ -237,6 +255,9 @@ class PendingHistory:
     def absorb(self, later: PendingHistory) -> None:
         """Fold ``later`` (newer) into this one: sums merge, newer reservoir rows win."""
         for mine, theirs in ((self.ranks, later.ranks), (self.nodes, later.nodes)):
+            if not mine:  # the usual case: one fold per write
+                mine.update(theirs)
+                continue
             for key, stats in theirs.items():
                 have = mine.get(key)
                 if have is None:
@@ -246,14 +267,20 @@ class PendingHistory:
         self.reservoir.rows.update(later.reservoir.rows)
         self.reservoir.states.update(later.reservoir.states)
 
-    def statements(self) -> list[Statement]:
-        out: list[Statement] = [_MARK_SQL]
-        out += multi_row_tuples(history.RANK_UPSERT_PARTS, history.history_rows(self.ranks))
-        out += multi_row_tuples(history.NODE_UPSERT_PARTS, history.history_rows(self.nodes))
-        res_rows, res_states = history.reservoir_rows(self.reservoir)
-        out += multi_row_tuples(history.RESERVOIR_UPSERT_PARTS, res_rows)
-        out += multi_row_tuples(history.RESERVOIR_STATE_UPSERT_PARTS, res_states)
-        return out
+    def statements(self) -> Iterator[Statement]:
+        """What writes it all, built statement by statement as the transaction runs
+        (nothing may change this history until the iterator is spent)."""
+        yield _MARK_SQL
+        for parts, deltas in ((history.RANK_UPSERT_PARTS, self.ranks), (history.NODE_UPSERT_PARTS, self.nodes)):
+            # Each item is (key, stats): flattened once more, a row's values.
+            yield from multi_row_stream(parts, map(_chain, deltas.items()), len(deltas))
+        rows, states = self.reservoir.rows, self.reservoir.states
+        yield from multi_row_stream(history.RESERVOIR_UPSERT_PARTS, rows.values(), len(rows))
+        yield from multi_row_stream(
+            history.RESERVOIR_STATE_UPSERT_PARTS,
+            ((rid, s.seen, s.next_take, s.w) for rid, s in states.items()),
+            len(states),
+        )
 
 
 class StoreWriter:
@@ -349,30 +376,39 @@ class StoreWriter:
         if row is None:
             await self._db.execute(_MARK_SQL[0], _MARK_SQL[1])
             return
-        by_rank: dict[int, dict[str, list[Any]]] = {}
-        step_cols = TABLE_COLUMNS["steps"]
+        by_rank: dict[int, list[list[Any]]] = {}
+        # history.HISTORY_COLUMNS, where they sit in a SELECTed row (after rank_id).
+        picked = [1 + TABLE_COLUMNS["steps"].index(name) for name in history.HISTORY_COLUMNS]
         # Rowid order is commit order, so the reservoir sees each rank's points as it
         # would have live, and draws the same sample.
         async with self._db.execute(
-            f"SELECT rank_id, {', '.join(step_cols)} FROM steps WHERE rowid > ? ORDER BY rowid", (int(row[0]),)
+            f"SELECT rank_id, {', '.join(TABLE_COLUMNS['steps'])} FROM steps WHERE rowid > ? ORDER BY rowid",
+            (int(row[0]),),
         ) as cur:
             async for values in cur:
                 cols = by_rank.get(values[0])
                 if cols is None:
-                    cols = by_rank[values[0]] = {c: [] for c in step_cols}
-                for col, value in zip(cols.values(), values[1:], strict=True):
-                    col.append(value)
+                    cols = by_rank[values[0]] = [[] for _ in picked]
+                for col, at in zip(cols, picked, strict=True):
+                    col.append(values[at])
         if not by_rank:
             return
         states = {s.rank_id: s for s in self.ingestor.known.values()}
-        self._fold_history(by_rank, states)
+        self._fold_history(by_rank.items(), states)
         log.info("history caught up on %d ranks' unfolded steps", len(by_rank))
         await self._flush_history_now()
 
-    def _fold_history(self, steps_by_rank: dict[int, dict[str, Sequence[Any]]], states: dict[int, RankState]) -> None:
-        """Add committed steps to the pending history (pure CPU, nothing written)."""
+    def _fold_history(
+        self, columns_by_rank: Iterable[tuple[int, history.Columns]], states: dict[int, RankState]
+    ) -> None:
+        """Add committed steps ((rank_id, columns in ``history.HISTORY_COLUMNS`` order),
+        one rank at a time) to the pending history (pure CPU, nothing written)."""
         pending = self.pending_history
-        deltas = history.bucket_deltas(steps_by_rank)
+        deltas: dict[tuple[int, int, int], history.Stats] = {}
+        offer = self.reservoir.offer_columns
+        for rank_id, cols in columns_by_rank:
+            history.add_rank_deltas(rank_id, cols, deltas)
+            offer(rank_id, cols, pending.reservoir)
 
         def node_of(rank_id: int) -> history.NodeKey | None:
             st = states.get(rank_id)
@@ -380,33 +416,32 @@ class StoreWriter:
                 return None
             return (st.session or "unknown", st.attempt, st.node_rank)
 
-        later = PendingHistory(deltas, history.node_deltas(deltas, node_of))
-        for rank_id, cols in steps_by_rank.items():
-            self.reservoir.offer(rank_id, cols, pending.reservoir)
-        pending.absorb(later)
+        pending.absorb(PendingHistory(deltas, history.node_deltas(deltas, node_of)))
 
     def _history_due_now(self, force: bool) -> bool:
         if self.backlog.rows == 0 and self.pending_history.empty:
             return False
-        return force or self.backlog.rows >= self.policy.history_backlog_rows or time.monotonic() >= self._history_due
+        if force or time.monotonic() >= self._history_due:
+            return True
+        return self.backlog.rows >= self.policy.history_backlog_rows_for(len(self.ingestor.known))
 
-    def _history_head(self, backlog: StepBacklog) -> list[Statement]:
+    def _history_head(self, backlog: StepBacklog) -> Iterator[Statement]:
         """Fold ``backlog`` into the pending history and return what writes it all.
 
         Runs on the database thread, inside the transaction's call: the event loop
         does not touch the reservoir or the pending history while a write is out."""
         if backlog.rows:
-            self._fold_history(backlog.by_rank(), backlog.states)
+            self._fold_history(backlog.columns(), backlog.states)
         return self.pending_history.statements()
 
-    def _take_history(self, force: bool) -> Callable[[], list[Statement]] | None:
+    def _take_history(self, force: bool) -> Callable[[], Iterable[Statement]] | None:
         """The history head for the next transaction if history is due (or ``force``)."""
         if not self._history_due_now(force):
             return None
         backlog = self.backlog.take()
         return lambda: self._history_head(backlog)
 
-    def _history_written(self, head: Callable[[], list[Statement]] | None, ok: bool) -> None:
+    def _history_written(self, head: Callable[[], Iterable[Statement]] | None, ok: bool) -> None:
         if head is None:
             return
         if ok:
@@ -550,8 +585,8 @@ class StoreWriter:
             statements += multi_row_tuples(_RANK_PARTS, plan.ranks.values())
         if plan.rank_touches:
             statements += multi_row_tuples(_RANK_TOUCH_PARTS, plan.rank_touches)
-        for table, cols in plan.columns.items():
-            statements += multi_row_columns(_TABLE_PARTS[table], cols, plan.row_counts[table])
+        for table, flat in plan.flat.items():
+            statements += multi_row(_TABLE_PARTS[table], flat, plan.row_counts[table])
         return Staged(work, taken_bytes, plan, statements)
 
     async def write(self, work: list[WorkItem]) -> bool:
