@@ -41,6 +41,11 @@ class IngestPolicy:
     # minute). The backlog holds the decoded batches the live aggregates hold anyway
     # (each rank's until it has 64 rows, aggregates.FOLD_ROWS), so this adds little memory.
     history_backlog_rows_per_rank: int = 64
+    # After each history write, hand the heap's free pages back to the system
+    # (glibc malloc_trim). A history write's fold and parameters are tens of MB of
+    # short-lived allocations; freed, they stay in malloc's arenas as fragments and
+    # the daemon's RSS kept what the largest write needed.
+    trim_heap_after_history: bool = True
     # The writer thread must get the GIL back quickly after each sqlite3_step.
     gil_switch_interval: float = 0.001
     # The cyclic garbage collector runs on this timer, not on allocation counts.

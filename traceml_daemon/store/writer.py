@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import gc
 import logging
 import sqlite3
@@ -200,8 +203,18 @@ _EXACT_PARTS: history.SqlParts = (
 )
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, where there is one."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
 def _run_transaction(
-    conn: sqlite3.Connection, statements: list[Statement], head: Callable[[], Iterable[Statement]] | None = None
+    conn: sqlite3.Connection,
+    statements: list[Statement],
+    head: Callable[[], Iterable[Statement]] | None = None,
+    trim: bool = False,
 ) -> None:
     """The whole transaction in one call on the database thread: every aiosqlite
     call is a round trip through the event loop and a GIL hand-off, and while the
@@ -218,6 +231,8 @@ def _run_transaction(
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
+    if trim and (malloc_trim := _malloc_trim()) is not None:
+        malloc_trim(0)  # a ctypes call: the GIL is released meanwhile
 
 
 @dataclass
@@ -621,7 +636,8 @@ class StoreWriter:
             # aiosqlite has no public "run this function on your thread"; its private
             # _execute is that, and one call per transaction is the point (see _run_transaction).
             # History goes first: its mark must be read before this transaction's own rows go in.
-            await db._execute(_run_transaction, db._conn, statements, head)
+            trim = head is not None and self.policy.trim_heap_after_history
+            await db._execute(_run_transaction, db._conn, statements, head, trim)
         except (sqlite3.Error, OSError) as exc:
             log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
             self.ingestor.rollback(plan)
