@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one script for a CUDA machine (CI has none):
 #   1. tests/agent/test_cuda_real.py and tests/e2e/test_cuda_end_to_end.py (skipped elsewhere);
-#   2. bench/overhead.py --device cuda: the training thread's cost with CUDA events;
-#   3. bench/overhead.py on the same host with the GPU hidden (the CPU path, same CPU);
-#   4. the whole agent test suite with a GPU visible (tests written on CPU machines).
+#   2. bench/cuda_calls.py: the host cost of each CUDA call the device path could make;
+#   3. bench/overhead.py --device cuda: the training thread's cost with CUDA events;
+#   4. bench/overhead.py on the same host with the GPU hidden (the CPU path, same CPU);
+#   5. the whole agent test suite with a GPU visible (tests written on CPU machines).
 # Each part is bounded by `timeout` and logged to $OUT (or ./cuda_check_out); a failing
 # part does not stop the next. Expects python3 with torch (CUDA build), msgpack, psutil,
 # nvidia-ml-py, uvloop and aiosqlite; put wheels in .whl/ to have them installed first.
@@ -38,6 +39,7 @@ part() {  # part NAME SECONDS CMD...: run, log, record the exit code
 
 part cuda_tests "${CUDA_TESTS_S:-240}" $py -m pytest -q -p no:cacheprovider -rA -s \
     tests/agent/test_cuda_real.py tests/e2e/test_cuda_end_to_end.py
+part cuda_calls 60 $py bench/cuda_calls.py
 part overhead_cuda "${OVERHEAD_S:-150}" $py bench/overhead.py --device cuda --quick --no-profiler --no-launch \
     --targets 0.3 --modules 4,64,512
 part overhead_cpu_same_host "${OVERHEAD_S:-150}" env CUDA_VISIBLE_DEVICES= $py bench/overhead.py --quick \
