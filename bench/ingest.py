@@ -38,6 +38,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -343,6 +344,8 @@ def main() -> None:
     p.add_argument("--versus", nargs="*", default=[], metavar="KEY=VALUE",
                    help="paced cases also run, right before, with these IngestPolicy fields replaced "
                         "(a same-run baseline for a policy change, e.g. sqlite_cache_kib=2000)")
+    p.add_argument("--keep-db", action="store_true",
+                   help="keep each case's database and daemon log (removed after the case by default)")
     args = p.parse_args()
     versus = _policy_overrides(args.versus)
     figures: dict[str, float | None] = {}
@@ -350,7 +353,9 @@ def main() -> None:
         relays = min(ranks, args.relays) if args.relays else max(1, ranks // 8)
         for mode in args.modes:
             if mode == "throughput":
-                before = sqlite_baseline(SQLITE_PROBE_ROWS, Path(tempfile.mkdtemp(prefix="traceml-base-")))
+                probe_dir = Path(tempfile.mkdtemp(prefix="traceml-base-"))
+                before = sqlite_baseline(SQLITE_PROBE_ROWS, probe_dir)
+                shutil.rmtree(probe_dir, ignore_errors=True)
             if mode == "paced" and versus:
                 versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus)
             r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every)
@@ -372,6 +377,12 @@ def main() -> None:
                 if versus:
                     _paced_report(ranks, relays, f"{tag}_versus", versus_case, figures, label=f"versus {args.versus}")
                 _paced_report(ranks, relays, tag, r, figures)
+            # Each case's database and daemon log are hundreds of MB at 4096 ranks.
+            for case in (r, versus_case) if mode == "paced" and versus else (r,):
+                if args.keep_db:
+                    print(f"  kept {case['tmp']} (database and daemon.log)")
+                else:
+                    shutil.rmtree(case["tmp"], ignore_errors=True)
     print(json.dumps(figures))
 
 
