@@ -279,18 +279,22 @@ class Tracer:
         except Exception as exc:
             self._gate.fail("install", exc)
 
+    def _remove_patches(self) -> None:
+        """Undo the global patches install() made, newest first."""
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as exc:
+                self._gate.fail("uninstall", exc)
+        self._installed = False
+
     def uninstall(self) -> None:
         try:
-            while self._undo:
-                undo = self._undo.pop()
-                try:
-                    undo()
-                except Exception as exc:
-                    self._gate.fail("uninstall", exc)
+            self._remove_patches()
             for state in list(self._models.values()):
                 state.remove_hooks()
             self._models.clear()
-            self._installed = False
             self._active = None
         except Exception as exc:
             self._gate.fail("uninstall", exc)
@@ -524,9 +528,7 @@ class Tracer:
         self._pending = deque(maxlen=self._max_pending)  # empty: the CPU queue drops the oldest
         # The global patches hold the backend they were installed with: install them again.
         if self._installed:
-            while self._undo:
-                self._undo.pop()()
-            self._installed = False
+            self._remove_patches()
             self.install()
 
     def _enter_rare(self, rec: StepRecord, state: ModelState, fed: bool) -> None:

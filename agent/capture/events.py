@@ -69,13 +69,11 @@ class CudaEventBackend:
         except AttributeError:
             self._fast = False
 
-    def _current_stream(self, device: int) -> Any:
-        key = self._stream_key(device)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-            if len(self._streams) < 256:  # a job that makes streams without end stays bounded
-                self._streams[key] = stream
+    def _new_stream(self, key: tuple[int, int, int]) -> Any:
+        """The Stream object for a current-stream key not seen yet (then cached)."""
+        stream = self._torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        if len(self._streams) < 256:  # a job that makes streams without end stays bounded
+            self._streams[key] = stream
         return stream
 
     def mark(self) -> Any | None:
@@ -97,8 +95,9 @@ class CudaEventBackend:
             self._created += 1
         if fast:
             # The current stream by its C id (a tuple), the Stream object from the cache.
-            stream = self._streams.get(self._stream_key(device))
-            self._record(ev, stream if stream is not None else self._current_stream(device))
+            key = self._stream_key(device)
+            stream = self._streams.get(key)
+            self._record(ev, stream if stream is not None else self._new_stream(key))
         else:
             ev.record()
         return ev

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from agent.capture.events import CudaEventBackend
 from agent.recorder import Recorder
 from agent.samplers import GpuSampler, Nvml, ProcessSampler
 from agent.tracer import Tracer
+from tests.support.procs import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -213,12 +213,6 @@ def test_nvml_reads_the_real_gpu_and_this_process() -> None:
         nvml.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.skipif(not torch.distributed.is_nccl_available(), reason="needs NCCL")
 def test_ddp_allreduce_on_nccl_is_measured_with_device_events(tmp_path: Path) -> None:
     """One rank of NCCL DDP in a child process (one GPU here): every bucket's all-reduce is
@@ -226,7 +220,7 @@ def test_ddp_allreduce_on_nccl_is_measured_with_device_events(tmp_path: Path) ->
     the default ``allreduce_hook`` that the timing hook wraps."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_nccl_worker, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_nccl_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
     res = json.loads((tmp_path / "rank0.json").read_text())
     print(json.dumps({k: v for k, v in res.items() if k != "tables"}))
     assert res["parallelism"] == "ddp"

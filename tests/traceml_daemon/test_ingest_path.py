@@ -168,16 +168,16 @@ def test_int64_ring_clamps_instead_of_failing() -> None:
     assert list(ring) == [2, 3, 2**63 - 1]
 
 
-def test_column_major_statements_insert_the_same_rows() -> None:
+def test_multi_row_statements_insert_the_same_rows() -> None:
     import sqlite3
 
-    from traceml_daemon.store.writer import multi_row_columns
+    from traceml_daemon.store.writer import multi_row
 
     conn = sqlite3.connect(":memory:")
     conn.execute("CREATE TABLE t (a, b, c)")
     rows = [(i, f"x{i}", i / 2) for i in range(1500)]  # more than one statement's worth
-    cols = [list(c) for c in zip(*rows, strict=True)]
-    for sql, params in multi_row_columns(("INSERT INTO t (a, b, c)", "", 3), cols, len(rows)):
+    flat = [value for row in rows for value in row]  # row-major, as Ingestor stages them
+    for sql, params in multi_row(("INSERT INTO t (a, b, c)", "", 3), flat, len(rows)):
         conn.execute(sql, params)
     assert conn.execute("SELECT a, b, c FROM t ORDER BY rowid").fetchall() == rows
 

@@ -61,14 +61,10 @@ class StepBacklog:
         self.chunks, self.states, self.rows = {}, {}, 0
         return taken
 
-    def by_rank(self) -> dict[int, list[Column]]:
-        """rank_id -> its steps as one set of history columns (``HISTORY_COLUMNS`` order,
-        read-only), in commit order."""
-        return dict(self.columns())
-
     def columns(self) -> Iterator[tuple[int, list[Column]]]:
-        """``by_rank`` one rank at a time: a fold that consumes each rank's columns
-        before the next are made never holds every rank's copy at once."""
+        """(rank_id, its steps as one set of history columns in ``HISTORY_COLUMNS`` order,
+        read-only, in commit order), one rank at a time: a fold that consumes each rank's
+        columns before the next are made never holds every rank's copy at once."""
         for rank_id, chunks in self.chunks.items():
             if len(chunks) == 1:  # common with many ranks: the columns as they are, no copy
                 yield rank_id, list(_PICK(chunks[0]))

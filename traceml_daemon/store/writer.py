@@ -152,20 +152,6 @@ def multi_row_stream(parts: history.SqlParts, rows: Iterable[Iterable[Any]], nro
         yield _values_sql(head, tail, width, size), list(_chain(islice(it, size)))
 
 
-def multi_row_columns(parts: history.SqlParts, cols: Sequence[Sequence[Any]], nrows: int) -> list[Statement]:
-    """Like ``multi_row``, from ``cols`` (``width`` columns of ``nrows`` values each).
-
-    The row-major parameters are built by one extended-slice assignment per column
-    (``flat[j::width] = column``), a strided copy in C: no tuple or step per row. (Binding
-    the columns as they are, through numbered ``?NNN`` parameters, would skip this copy,
-    but sqlite executed those statements 2.5x slower, measured.)"""
-    width = parts[2]
-    flat: list[Any] = [None] * (nrows * width)
-    for j, col in enumerate(cols):
-        flat[j::width] = col
-    return multi_row(parts, flat, nrows)
-
-
 def multi_row_tuples(parts: history.SqlParts, rows: Iterable[tuple[Any, ...]]) -> list[Statement]:
     flat = list(chain.from_iterable(rows))
     return multi_row(parts, flat, len(flat) // parts[2])
