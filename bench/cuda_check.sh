@@ -6,7 +6,7 @@
 #   4. bench/overhead.py on the same host with the GPU hidden (the CPU path, same CPU);
 #   5. the whole agent test suite with a GPU visible (tests written on CPU machines).
 # Each part is bounded by `timeout` and logged to $OUT (or ./cuda_check_out); a failing
-# part does not stop the next. Expects python3 with torch (CUDA build), msgpack, psutil,
+# part does not stop the next; SKIP="name ..." leaves parts out (device time is short). Expects python3 with torch (CUDA build), msgpack, psutil,
 # nvidia-ml-py, uvloop and aiosqlite; put wheels in .whl/ to have them installed first.
 set -u
 cd "$(dirname "$0")/.."
@@ -26,9 +26,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the bench scripts import ag
     lscpu | grep -E 'Model name|L2|L3' || true
 } 2>&1 | tee "$out/env.txt"
 
-part() {  # part NAME SECONDS CMD...: run, log, record the exit code
+part() {  # part NAME SECONDS CMD...: run, log, record the exit code (SKIP="a b" skips parts)
     local name=$1 limit=$2
     shift 2
+    case " ${SKIP:-} " in *" $name "*) echo "=== $name: skipped"; return ;; esac
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
