@@ -6,7 +6,8 @@
 #   4. bench/overhead.py on the same host with the GPU hidden (the CPU path, same CPU);
 #   5. the whole agent test suite with a GPU visible (tests written on CPU machines).
 # Each part is bounded by `timeout` and logged to $OUT (or ./cuda_check_out); a failing
-# part does not stop the next; SKIP="name ..." leaves parts out (device time is short). Expects python3 with torch (CUDA build), msgpack, psutil,
+# part does not stop the next; SKIP="name ..." leaves parts out (device time is short).
+# Expects python3 with torch (CUDA build), msgpack, psutil,
 # nvidia-ml-py, uvloop and aiosqlite; put wheels in .whl/ to have them installed first.
 set -u
 cd "$(dirname "$0")/.."
@@ -41,8 +42,9 @@ part() {  # part NAME SECONDS CMD...: run, log, record the exit code (SKIP="a b"
 part cuda_tests "${CUDA_TESTS_S:-240}" $py -m pytest -q -p no:cacheprovider -rA -s \
     tests/agent/test_cuda_real.py tests/e2e/test_cuda_end_to_end.py
 part cuda_calls 60 $py bench/cuda_calls.py
-part overhead_cuda "${OVERHEAD_S:-150}" $py bench/overhead.py --device cuda --quick --no-profiler --no-launch \
-    --targets 0.3 --modules 4,64,512
-part overhead_cpu_same_host "${OVERHEAD_S:-150}" env CUDA_VISIBLE_DEVICES= $py bench/overhead.py --quick \
-    --no-profiler --no-launch --targets 0.3 --modules 4,64,512
+# OVERHEAD_CUDA_ARGS / OVERHEAD_CPU_ARGS replace the default (quick) arguments.
+part overhead_cuda "${OVERHEAD_S:-150}" $py bench/overhead.py --device cuda \
+    ${OVERHEAD_CUDA_ARGS:---quick --no-profiler --no-launch --targets 0.3 --modules 4,64,512}
+part overhead_cpu_same_host "${OVERHEAD_S:-150}" env CUDA_VISIBLE_DEVICES= $py bench/overhead.py \
+    ${OVERHEAD_CPU_ARGS:---quick --no-profiler --no-launch --targets 0.3 --modules 4,64,512}
 part agent_suite "${AGENT_SUITE_S:-200}" $py -m pytest -q -p no:cacheprovider --maxfail=40 -n 8 tests/agent
