@@ -4,12 +4,21 @@ R simulated ranks behind K relay processes (K = R/8 by default) speak the real
 wire protocol over real sockets to a real ``traceml-daemon serve``: each relay
 process does the relay handshake, packs its ranks' step, process, memory and
 status rows as agent batch bodies (columnar msgpack), forwards them in
-numbered rbatches and waits for the daemon's acks, which the daemon sends only
+numbered rbatches and reads the daemon's acks, which the daemon sends only
 after the rows are committed. Two modes per R:
 
-* ``throughput``: every relay sends as fast as acknowledgements allow (a
-  window of unacknowledged rbatches); reports stored step rows/s end to end
-  and the send-to-stored latency (p50, p99);
+* ``throughput``: every relay sends as fast as its socket takes the bytes;
+  reports stored step rows/s end to end and the send-to-stored latency (p50,
+  p99). The real relay (relay/upstream.py) does not wait for acks before
+  sending on; it keeps what is unacknowledged (up to 256 MiB) and is paced by
+  the daemon's backpressure (the bounded queue pauses reading, TCP then blocks
+  the relay's send). A bench relay keeps up to ``--window`` rbatches
+  unacknowledged (default 64: enough to keep the daemon saturated, so the rate
+  is the daemon's capacity, while the run still drains in seconds; 0 removes
+  the cap, and then every socket buffer fills and a 1024-rank case takes
+  minutes to drain). Latency at saturation is mostly time queued. A small
+  window measures the ack round trip instead: at R = 64, window 4 gave ~88k
+  rows/s at 23 ms p50, window 16 ~115k, 64 ~120k, no cap ~126-132k;
 * ``paced``: every rank flushes once per second (the agent's default) for a
   while; reports the daemon's CPU (% of one core) and peak RSS.
 
@@ -23,10 +32,14 @@ same step rows into the same schema (one transaction per batch of rows, WAL).
 Paced cases also print the daemon's RSS every ``--rss-every`` seconds, split
 into anonymous and file-backed memory (``/proc/PID/smaps_rollup``): a number
 still rising at the end of a run is growth, not a peak. They print the daemon's
-CPU per interval too: at 4096 ranks it rises over the first ~40 s (measured 43%
--> 64%: once every rank's tail of each per-rank index sits on a page of its own,
-each commit writes a page per rank and index), so a short run's average
-understates the steady state; read the late intervals.
+CPU per interval too: at 4096 ranks it rises over the first ~60 s and then holds
+(measured 47% -> 63-71% over 240 s), so a short run's average understates the
+steady state; read the late intervals. Why it rises: once every rank's tail of
+each per-rank index sits on a page of its own, each commit writes a whole page per
+rank and index to the WAL. ``bench/walpages.py`` on a live 4096-rank database:
+73% of the WAL's frames were ``steps_by_rank`` pages and 14% ``process_by_rank``
+(the rows themselves, ``steps``, 10%); with those two indexes left empty the same
+case levelled at ~50% of a core instead of ~67%.
 
 Ends with one JSON line holding every figure.
 """
@@ -38,6 +51,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import resource
 import shutil
 import socket
 import sqlite3
@@ -174,11 +188,15 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
                 time.sleep(min(wait, 0.05))
                 continue
             next_flush += 1.0
-        elif seq - acked >= window:
+        elif window and seq - acked >= window:
             for msg in read_messages(True):
                 if msg["t"] == "ack":
                     acked = _on_ack(msg["seq"], acked, sent_at, latencies)
             continue
+        elif seq > acked:  # take the acks that are in, without waiting (latency)
+            for msg in read_messages(False):
+                if msg["t"] == "ack":
+                    acked = _on_ack(msg["seq"], acked, sent_at, latencies)
         items = []
         for r in ranks:
             agent_seq[r] += 1
@@ -287,6 +305,10 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
     workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out))
                for i in range(nproc)]
     cpu0 = proc.cpu_times()
+    # The load generator's CPU (the relay worker processes, children of this one):
+    # on a 2-core machine it competes with the daemon, where real relays run on
+    # other nodes, so it is reported beside the daemon's.
+    gen0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     for w in workers:
         w.start()
@@ -315,6 +337,8 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
     cpu1 = proc.cpu_times()
     for w in workers:
         w.join()
+    gen1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers only: the daemon still runs
+    gen_cpu_s = (gen1.ru_utime + gen1.ru_stime) - (gen0.ru_utime + gen0.ru_stime)
     daemon.terminate()
     daemon.wait(60)
     log_file.close()
@@ -328,6 +352,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
         "latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
         "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
         "daemon_cpu_pct": 100 * cpu_s / elapsed, "daemon_peak_rss_mb": peak_rss / 2**20,
+        "generator_cpu_pct": 100 * gen_cpu_s / elapsed,
         "rss_timeline": timeline, "tmp": str(tmp),
     }
 
@@ -336,13 +361,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="*", default=[64, 1024, 4096])
     p.add_argument("--seconds", type=float, default=8.0, help="sending time per case")
-    p.add_argument("--window", type=int, default=4, help="unacknowledged rbatches per relay (throughput mode)")
+    p.add_argument("--window", type=int, default=64,
+                   help="throughput mode: unacknowledged rbatches per relay at most (0: no cap, like the real relay)")
     p.add_argument("--modes", nargs="*", default=["throughput", "paced"], choices=["throughput", "paced"])
     p.add_argument("--relays", type=int, default=None,
                    help="relays per case (default R/8; DESIGN.md's 4096-rank scenario is 64)")
     p.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples (paced)")
     p.add_argument("--versus", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="paced cases also run, right before, with these IngestPolicy fields replaced "
+                   help="every case also runs, right before, with these IngestPolicy fields replaced "
                         "(a same-run baseline for a policy change, e.g. sqlite_cache_kib=2000)")
     p.add_argument("--keep-db", action="store_true",
                    help="keep each case's database and daemon log (removed after the case by default)")
@@ -356,34 +382,44 @@ def main() -> None:
                 probe_dir = Path(tempfile.mkdtemp(prefix="traceml-base-"))
                 before = sqlite_baseline(SQLITE_PROBE_ROWS, probe_dir)
                 shutil.rmtree(probe_dir, ignore_errors=True)
-            if mode == "paced" and versus:
+            if versus:
                 versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus)
             r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every)
             tag = f"r{ranks}_k{relays}_{mode}" if args.relays else f"r{ranks}_{mode}"
             if mode == "throughput":
-                # The machine is shared: measure the baseline right before and right
-                # after the case and divide by the faster, so a quiet moment for the
-                # baseline can only lower the ratio, never flatter it.
-                base = max(before, sqlite_baseline(r["rows"], Path(r["tmp"])))
-                ratio = r["rows_per_s"] / base
-                print(f"R={ranks:5d} K={relays:4d} throughput: {r['rows_per_s']:,.0f} step rows/s stored end to end; "
-                      f"baseline plain sqlite3 executemany {base:,.0f} rows/s; ratio {ratio:.2f}; "
-                      f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
-                      f"daemon CPU {r['daemon_cpu_pct']:.0f}%, peak RSS {r['daemon_peak_rss_mb']:.0f} MB")
-                figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_sqlite_rows_per_s": base,
-                                f"{tag}_ratio": ratio, f"{tag}_p50_ms": r["latency_p50_ms"],
-                                f"{tag}_p99_ms": r["latency_p99_ms"]})
+                if versus:
+                    _throughput_report(ranks, relays, f"{tag}_versus", versus_case, before, figures,
+                                       label=f" versus {args.versus}")
+                _throughput_report(ranks, relays, tag, r, before, figures)
             else:
                 if versus:
                     _paced_report(ranks, relays, f"{tag}_versus", versus_case, figures, label=f"versus {args.versus}")
                 _paced_report(ranks, relays, tag, r, figures)
             # Each case's database and daemon log are hundreds of MB at 4096 ranks.
-            for case in (r, versus_case) if mode == "paced" and versus else (r,):
+            for case in (r, versus_case) if versus else (r,):
                 if args.keep_db:
                     print(f"  kept {case['tmp']} (database and daemon.log)")
                 else:
                     shutil.rmtree(case["tmp"], ignore_errors=True)
     print(json.dumps(figures))
+
+
+def _throughput_report(ranks: int, relays: int, tag: str, r: dict, before: float, figures: dict,
+                       label: str = "") -> None:
+    # The machine is shared: measure the baseline right before and right after the
+    # case and divide by the faster, so a quiet moment for the baseline can only
+    # lower the ratio, never flatter it.
+    base = max(before, sqlite_baseline(r["rows"], Path(r["tmp"])))
+    ratio = r["rows_per_s"] / base
+    print(f"R={ranks:5d} K={relays:4d} throughput{label}: {r['rows_per_s']:,.0f} step rows/s stored end to end; "
+          f"baseline plain sqlite3 executemany {base:,.0f} rows/s; ratio {ratio:.2f}; "
+          f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
+          f"daemon CPU {r['daemon_cpu_pct']:.0f}%, peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
+          f"load generator (relay processes) CPU {r['generator_cpu_pct']:.0f}%")
+    figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_sqlite_rows_per_s": base,
+                    f"{tag}_ratio": ratio, f"{tag}_p50_ms": r["latency_p50_ms"],
+                    f"{tag}_p99_ms": r["latency_p99_ms"], f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
+                    f"{tag}_daemon_cpu_pct": r["daemon_cpu_pct"], f"{tag}_generator_cpu_pct": r["generator_cpu_pct"]})
 
 
 def _paced_report(ranks: int, relays: int, tag: str, r: dict, figures: dict, label: str = "") -> None:
@@ -396,14 +432,16 @@ def _paced_report(ranks: int, relays: int, tag: str, r: dict, figures: dict, lab
           f"{r['rows_per_s']:,.0f} step rows/s; daemon CPU {r['daemon_cpu_pct']:.0f}% of one core "
           f"(second half {late_cpu if late_cpu is None else round(late_cpu)}%), "
           f"peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
-          f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms")
+          f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
+          f"load generator CPU {r['generator_cpu_pct']:.0f}%")
     print("  RSS over time (s: total MB = anon + file): " + ", ".join(
         f"{t:.0f}: {rss:.0f} = {anon:.0f} + {file:.0f}" for t, rss, anon, file, _ in tl))
     print("  daemon CPU % of one core per interval (s: %): " + ", ".join(f"{t:.0f}: {pct:.0f}" for t, *_, pct in tl))
     figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_cpu_pct": r["daemon_cpu_pct"],
                     f"{tag}_late_cpu_pct": late_cpu, f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
                     f"{tag}_end_rss_mb": tl[-1][1] if tl else None,
-                    f"{tag}_p50_ms": r["latency_p50_ms"], f"{tag}_p99_ms": r["latency_p99_ms"]})
+                    f"{tag}_p50_ms": r["latency_p50_ms"], f"{tag}_p99_ms": r["latency_p99_ms"],
+                    f"{tag}_generator_cpu_pct": r["generator_cpu_pct"]})
 
 
 if __name__ == "__main__":

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class IngestPolicy:
     # One transaction takes at most this many queued bytes (the queue's own bound,
-    # ServerConfig.queue_bytes, is what pushes back on relays).
-    max_txn_bytes: int = 32 * 1024 * 1024
+    # ServerConfig.queue_bytes, is what pushes back on relays). Only a saturated
+    # daemon fills a transaction (paced 4096 ranks commit ~1 MB each), and a full
+    # one is held twice, decoded (several times its wire size) while the one before
+    # it is written: at 32 MiB a saturated daemon peaked at 889 MB RSS, at 8 MiB at
+    # 409 MB, for 8% less throughput (121.5k vs 132.2k rows/s, same run,
+    # bench/ingest.py --ranks 64 --modes throughput, relays not capped by acks).
+    max_txn_bytes: int = 8 * 1024 * 1024
     # How long the writer waits for work before writing counters alone.
     flush_interval: float = 0.25
     # Off by default: relays wait for acks, so a coalescing wait is pure latency
