@@ -5,9 +5,10 @@ Building 64M raw step rows (about 6 GB, minutes of inserts) is more than this
 and the figures say so:
 
 * history tables (``rank_history``, ``node_history``, ``reservoir``) for all
-  1M x 64 steps, through the same functions the writer calls on every
-  transaction (``history.bucket_deltas``, ``node_deltas``, ``Reservoir.offer``)
-  and the same upsert statements;
+  1M x 64 steps, through the functions the writer's history writes run
+  (``history.bucket_deltas`` and ``Reservoir.offer`` take named columns and call
+  the writer's ``add_rank_deltas`` and ``offer_columns``; ``node_deltas``) and
+  the same upsert statements, one simulated write per 16,384 steps of every rank;
 * raw ``steps`` only for the newest ``--raw-tail`` steps per rank (what a
   retention policy would keep), inserted with plain sqlite3 ``executemany``.
 

@@ -28,6 +28,7 @@ from operator import itemgetter, sub
 from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst, worst_key
+from traceml_daemon.analysis.stats import max_or_none
 from traceml_daemon.ring import Ring
 from traceml_wire.tables import PHASES, Column, columns
 
@@ -117,11 +118,11 @@ class RankWindow:
         self.dirty = True
         # Decoded columns hold ints (or None): max() raises on a None among them (and
         # returns it when alone), so the Nones are filtered only when there are some.
-        top = _max_or_none(steps)
+        top = max_or_none(steps)
         if top is not None and (self.last_step is None or top >= self.last_step):
             self.last_step = top
             if ts:
-                stamp = _max_or_none(ts)
+                stamp = max_or_none(ts)
                 if stamp is not None:
                     self.last_ts = stamp
         if comm and not self.wait_measured:
@@ -161,13 +162,6 @@ class RankWindow:
             self._cached = (step, {p: _median_ms(v) for p, v in self.phases_ns.items()}, busy)
             self.dirty = False
         return self._cached
-
-
-def _max_or_none(values: Sequence[Any]) -> Any:
-    try:
-        return max(values)
-    except TypeError:
-        return max((v for v in values if v is not None), default=None)
 
 
 _PHASE_COLUMNS = tuple((p, f"{p}_ns") for p in PHASES)

@@ -9,6 +9,7 @@ a sorted list, so comparing each of n ranks to the rest stays O(n log n) and a
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 NS_PER_MS = 1_000_000.0
 
@@ -52,6 +53,23 @@ def others_median(values: Sequence[float]) -> list[float | None]:
     for pos, i in enumerate(order):
         out[i] = median_without(data, pos)
     return out
+
+
+def min_or_none(values: Sequence[Any]) -> Any:
+    """min() of the non-None values (None when there are none). The usual column has
+    no None: one C-level min(), and only a None (TypeError) costs a filtering pass."""
+    try:
+        return min(values)
+    except TypeError:  # a None among numbers (or several Nones)
+        return min((v for v in values if v is not None), default=None)
+
+
+def max_or_none(values: Sequence[Any]) -> Any:
+    """max() of the non-None values (None when there are none); see ``min_or_none``."""
+    try:
+        return max(values)
+    except TypeError:
+        return max((v for v in values if v is not None), default=None)
 
 
 def ns_to_ms(value: float | None) -> float | None:

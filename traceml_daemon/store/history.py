@@ -43,6 +43,7 @@ from operator import itemgetter
 from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst
+from traceml_daemon.analysis.stats import max_or_none, min_or_none
 from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
 from traceml_wire.tables import PHASES
 
@@ -82,21 +83,6 @@ HISTORY_COLUMNS = ("step", "ts", *_METRIC_COLS)
 Columns = Sequence[Sequence[Any]]
 
 
-def _low(values: Sequence[Any]) -> Any:
-    """min() ignoring None (None when there is nothing else)."""
-    try:
-        return min(values)
-    except TypeError:  # a None among numbers (or several Nones)
-        return min((v for v in values if v is not None), default=None)
-
-
-def _high(values: Sequence[Any]) -> Any:
-    try:
-        return max(values)
-    except TypeError:
-        return max((v for v in values if v is not None), default=None)
-
-
 def _stats_of(cols: Columns) -> Stats:
     """Stats of whole columns (``HISTORY_COLUMNS`` order, steps all set, at least one row).
 
@@ -104,7 +90,7 @@ def _stats_of(cols: Columns) -> Stats:
     usual case) one ``map`` per figure covers every metric at once."""
     steps, ts, *metrics = cols
     n = len(steps)
-    head: Stats = [n, min(steps), max(steps), _high(ts)]
+    head: Stats = [n, min(steps), max(steps), max_or_none(ts)]
     try:
         # sum() fails on any None ("not measured", which stays out of every figure):
         # trying first saves a scan for None on every column of every bucket.
@@ -135,10 +121,10 @@ def _merged(group: Sequence[Stats]) -> Stats:
     if len(group) == 1:
         return list(group[0])
     figures = list(zip(*group, strict=True))
-    out: Stats = [sum(figures[0]), _low(figures[1]), _high(figures[2]), _high(figures[3])]
+    out: Stats = [sum(figures[0]), min_or_none(figures[1]), max_or_none(figures[2]), max_or_none(figures[3])]
     for i in range(_BASE, _WIDTH, 4):
         # A metric no member measured has count 0, min and max None and sum 0.
-        out += [sum(figures[i]), _low(figures[i + 1]), _high(figures[i + 2]), sum(figures[i + 3])]
+        out += [sum(figures[i]), min_or_none(figures[i + 1]), max_or_none(figures[i + 2]), sum(figures[i + 3])]
     return out
 
 
@@ -211,22 +197,17 @@ def add_rank_deltas(rank_id: int, cols: Columns, out: dict[tuple[int, int, int],
             out[(rank_id, level, bucket)] = _merged(group)
 
 
-def bucket_columns(columns_by_rank: dict[int, Columns]) -> dict[tuple[int, int, int], Stats]:
-    """What these steps add to every (rank_id, level, bucket); columns in ``HISTORY_COLUMNS`` order."""
-    out: dict[tuple[int, int, int], Stats] = {}
-    for rank_id, cols in columns_by_rank.items():
-        add_rank_deltas(rank_id, cols, out)
-    return out
-
-
 def history_columns(cols: dict[str, Sequence[Any]]) -> Columns:
     """A rank's steps as named columns -> ``HISTORY_COLUMNS`` order."""
     return [cols[name] for name in HISTORY_COLUMNS]
 
 
 def bucket_deltas(steps_by_rank: dict[int, dict[str, Sequence[Any]]]) -> dict[tuple[int, int, int], Stats]:
-    """What this transaction's steps add to every (rank_id, level, bucket)."""
-    return bucket_columns({rank_id: history_columns(cols) for rank_id, cols in steps_by_rank.items()})
+    """What these steps add to every (rank_id, level, bucket): ``add_rank_deltas`` per rank."""
+    out: dict[tuple[int, int, int], Stats] = {}
+    for rank_id, cols in steps_by_rank.items():
+        add_rank_deltas(rank_id, history_columns(cols), out)
+    return out
 
 
 NodeKey = tuple[str, int, int]  # session, attempt, node_rank
