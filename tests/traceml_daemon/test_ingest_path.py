@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.acks import AckWriter
 from traceml_daemon.aggregates import FOLD_ROWS, Aggregates
+from traceml_daemon.inbound import ByteQueue
 from traceml_daemon.ring import Ring
 from traceml_daemon.store.policy import IngestPolicy
 from traceml_daemon.store.schema import HISTORY_LEVELS
@@ -207,3 +209,38 @@ def test_writer_connection_takes_the_policy_cache_and_checkpoint_sizes(tmp_path:
 
     # A negative cache_size is KiB; the rows still land.
     assert asyncio.run(run()) == (-12_345, 4321, 10)
+
+
+def test_next_transaction_is_staged_while_the_previous_one_is_written(tmp_path: Path) -> None:
+    """With batches already queued, the writer hands transaction N to the database
+    thread before it stages N+1: staging (event loop) and writing (sqlite's thread)
+    overlap. The queue never suspends while it holds items, so a write task that
+    was only created, not started, first ran once awaited, after the next stage."""
+    db = tmp_path / "o.db"
+    events: list[str] = []
+
+    async def run() -> None:
+        writer = StoreWriter(str(db), max_txn_bytes=1)  # one queued item per transaction
+        await writer.open()
+        stage, write_staged = writer.stage, writer.write_staged
+
+        def logged_stage(work: list[WorkItem], taken_bytes: int = 0) -> Any:
+            events.extend(f"stage {item.seq}" for item in work)
+            return stage(work, taken_bytes)
+
+        async def logged_write(staged: Any) -> bool:
+            events.extend(f"write {item.seq}" for item in staged.work)
+            return await write_staged(staged)
+
+        writer.stage = logged_stage  # type: ignore[method-assign]
+        writer.write_staged = logged_write  # type: ignore[method-assign]
+        queue: ByteQueue[WorkItem] = ByteQueue(1 << 20)
+        for seq in (1, 2, 3):
+            await queue.put(batch(seq, [0], (seq - 1) * 10, 10), 100)
+        await queue.close()
+        await writer.run(queue)
+        await writer.close()
+
+    asyncio.run(run())
+    assert events == ["stage 1", "write 1", "stage 2", "write 2", "stage 3", "write 3"]
+    assert ro(db).execute("SELECT count(*) FROM steps").fetchone()[0] == 30

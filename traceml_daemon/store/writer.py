@@ -527,6 +527,13 @@ class StoreWriter:
                 staged = self.stage(staged.work, staged.taken_bytes)
             previous = staged
             writing = asyncio.create_task(self._write_and_ack(staged, queue))
+            # Let the write start (it runs until its transaction is handed to the
+            # database thread) before the next stage. get_many does not suspend while
+            # items are queued, so without this the new task first ran when it was
+            # awaited, after the next stage: stage and write took turns instead of
+            # overlapping (measured at R=1024 saturated: 11.8 s staging + 18.7 s
+            # awaiting the write per 50 transactions).
+            await asyncio.sleep(0)
         if writing is not None:
             await writing
 
