@@ -24,6 +24,8 @@ after the rows are committed. Two modes per R:
 
 Baseline, same run, same rows: a plain ``sqlite3`` ``executemany`` of the
 same step rows into the same schema (one transaction per batch of rows, WAL).
+A paced case divides its step rate by that rate: the share of a core that just
+inserting its step rows takes, the floor under the daemon's CPU figure.
 
     python bench/ingest.py                    # R = 64, 1024, 4096
     python bench/ingest.py --ranks 64 --seconds 5
@@ -74,7 +76,7 @@ from traceml_wire.auth import hello_mac  # noqa: E402
 from traceml_wire.tables import columns, encode_body  # noqa: E402
 
 STEPS_PER_FLUSH = 10  # a rank doing 10 steps/s flushing once a second
-SQLITE_PROBE_ROWS = 500_000  # baseline rows measured before each throughput case
+SQLITE_PROBE_ROWS = 500_000  # baseline rows measured before each case (and after a paced one)
 
 
 def _free_port() -> int:
@@ -378,10 +380,7 @@ def main() -> None:
     for ranks in args.ranks:
         relays = min(ranks, args.relays) if args.relays else max(1, ranks // 8)
         for mode in args.modes:
-            if mode == "throughput":
-                probe_dir = Path(tempfile.mkdtemp(prefix="traceml-base-"))
-                before = sqlite_baseline(SQLITE_PROBE_ROWS, probe_dir)
-                shutil.rmtree(probe_dir, ignore_errors=True)
+            before = _probe_baseline()
             if versus:
                 versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus)
             r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every)
@@ -392,9 +391,11 @@ def main() -> None:
                                        label=f" versus {args.versus}")
                 _throughput_report(ranks, relays, tag, r, before, figures)
             else:
+                base = max(before, _probe_baseline())
                 if versus:
-                    _paced_report(ranks, relays, f"{tag}_versus", versus_case, figures, label=f"versus {args.versus}")
-                _paced_report(ranks, relays, tag, r, figures)
+                    _paced_report(ranks, relays, f"{tag}_versus", versus_case, base, figures,
+                                  label=f"versus {args.versus}")
+                _paced_report(ranks, relays, tag, r, base, figures)
             # Each case's database and daemon log are hundreds of MB at 4096 ranks.
             for case in (r, versus_case) if versus else (r,):
                 if args.keep_db:
@@ -402,6 +403,15 @@ def main() -> None:
                 else:
                     shutil.rmtree(case["tmp"], ignore_errors=True)
     print(json.dumps(figures))
+
+
+def _probe_baseline() -> float:
+    """The plain sqlite3 rate of ``SQLITE_PROBE_ROWS`` step rows, in a scratch directory."""
+    probe_dir = Path(tempfile.mkdtemp(prefix="traceml-base-"))
+    try:
+        return sqlite_baseline(SQLITE_PROBE_ROWS, probe_dir)
+    finally:
+        shutil.rmtree(probe_dir, ignore_errors=True)
 
 
 def _throughput_report(ranks: int, relays: int, tag: str, r: dict, before: float, figures: dict,
@@ -422,8 +432,12 @@ def _throughput_report(ranks: int, relays: int, tag: str, r: dict, before: float
                     f"{tag}_daemon_cpu_pct": r["daemon_cpu_pct"], f"{tag}_generator_cpu_pct": r["generator_cpu_pct"]})
 
 
-def _paced_report(ranks: int, relays: int, tag: str, r: dict, figures: dict, label: str = "") -> None:
+def _paced_report(ranks: int, relays: int, tag: str, r: dict, base: float, figures: dict, label: str = "") -> None:
     tl = r["rss_timeline"]
+    # The same-run baseline of the CPU figure: a core's share that a plain sqlite3
+    # executemany of just these step rows takes (the faster of a probe before and after
+    # the case), with no decoding, process rows, history or aggregates.
+    floor_pct = 100 * r["rows_per_s"] / base
     # The CPU climbs for the first ~40 s (see the docstring): the second half of the
     # intervals is the steady state a long run lives in, so it is reported too.
     late = [pct for _, _, _, _, pct in tl[len(tl) // 2:]]
@@ -434,6 +448,8 @@ def _paced_report(ranks: int, relays: int, tag: str, r: dict, figures: dict, lab
           f"peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
           f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
           f"load generator CPU {r['generator_cpu_pct']:.0f}%")
+    print(f"  baseline: plain sqlite3 executemany of the same step rows alone takes {floor_pct:.1f}% of one core "
+          f"({base:,.0f} rows/s, same run)")
     print("  RSS over time (s: total MB = anon + file): " + ", ".join(
         f"{t:.0f}: {rss:.0f} = {anon:.0f} + {file:.0f}" for t, rss, anon, file, _ in tl))
     print("  daemon CPU % of one core per interval (s: %): " + ", ".join(f"{t:.0f}: {pct:.0f}" for t, *_, pct in tl))
@@ -441,7 +457,8 @@ def _paced_report(ranks: int, relays: int, tag: str, r: dict, figures: dict, lab
                     f"{tag}_late_cpu_pct": late_cpu, f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
                     f"{tag}_end_rss_mb": tl[-1][1] if tl else None,
                     f"{tag}_p50_ms": r["latency_p50_ms"], f"{tag}_p99_ms": r["latency_p99_ms"],
-                    f"{tag}_generator_cpu_pct": r["generator_cpu_pct"]})
+                    f"{tag}_generator_cpu_pct": r["generator_cpu_pct"],
+                    f"{tag}_sqlite_rows_per_s": base, f"{tag}_sqlite_floor_cpu_pct": floor_pct})
 
 
 if __name__ == "__main__":
