@@ -75,6 +75,10 @@ def test_ctrl_c_stops_the_job_and_the_daemon(tmp_path: Path) -> None:
         [sys.executable, "-m", "traceml_daemon", "launch", "--nproc-per-node", "2", "--db", str(tmp_path / "run.db"),
          "--", str(script), str(pids_dir)],
         cwd=tmp_path, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A foreground process at a terminal gets Ctrl-C. Started from a background job
+        # (`cmd &` in a script), pytest and its children inherit SIGINT ignored, and the
+        # launcher rightly keeps ignoring it: give it the disposition a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         pids = wait_for(lambda: [int(p.stem) for p in pids_dir.glob("*.pid")] if len(list(pids_dir.glob("*.pid"))) == 2
