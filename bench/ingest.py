@@ -25,7 +25,9 @@ after the rows are committed. Two modes per R:
 Baseline, same run, same rows: a plain ``sqlite3`` ``executemany`` of the
 same step rows into the same schema (one transaction per batch of rows, WAL).
 A paced case divides its step rate by that rate: the share of a core that just
-inserting its step rows takes, the floor under the daemon's CPU figure.
+inserting its step rows takes, the floor under the daemon's CPU figure. Every
+case splits the daemon's CPU by thread: the event loop, the database thread and
+the rest. Their sum near 100% means the GIL, not the cores, is the limit.
 
     python bench/ingest.py                    # R = 64, 1024, 4096
     python bench/ingest.py --ranks 64 --seconds 5
@@ -307,6 +309,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
     workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out))
                for i in range(nproc)]
     cpu0 = proc.cpu_times()
+    threads0 = _thread_cpu(proc)
     # The load generator's CPU (the relay worker processes, children of this one):
     # on a 2-core machine it competes with the daemon, where real relays run on
     # other nodes, so it is reported beside the daemon's.
@@ -337,6 +340,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
             cpu_prev, t_prev = cpu_now, now
     end = max(r["done_at"] for r in results)
     cpu1 = proc.cpu_times()
+    threads = _split_threads(daemon.pid, threads0, _thread_cpu(proc), end - start)
     for w in workers:
         w.join()
     gen1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers only: the daemon still runs
@@ -355,8 +359,37 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
         "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
         "daemon_cpu_pct": 100 * cpu_s / elapsed, "daemon_peak_rss_mb": peak_rss / 2**20,
         "generator_cpu_pct": 100 * gen_cpu_s / elapsed,
-        "rss_timeline": timeline, "tmp": str(tmp),
+        "rss_timeline": timeline, "tmp": str(tmp), **threads,
     }
+
+
+def _thread_cpu(proc: psutil.Process) -> dict[int, float]:
+    """CPU seconds so far of each of the process's threads."""
+    try:
+        return {t.id: t.user_time + t.system_time for t in proc.threads()}
+    except psutil.Error:
+        return {}
+
+
+def _split_threads(pid: int, before: dict[int, float], after: dict[int, float], seconds: float) -> dict[str, float]:
+    """The daemon's CPU by thread over a case, % of one core: the event loop (the main
+    thread: reading, decoding, staging, aggregates), the busiest other thread
+    (aiosqlite's database thread: binding, SQLite, the history fold) and the rest. The
+    split shows which side of the GIL a change moved work to."""
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main = used.pop(pid, 0.0)
+    busiest = max(used.values(), default=0.0)
+    rest = sum(used.values()) - busiest
+    return {"event_loop_cpu_pct": 100 * main / seconds, "db_thread_cpu_pct": 100 * busiest / seconds,
+            "other_threads_cpu_pct": 100 * rest / seconds}
+
+
+_THREAD_FIGURES = ("event_loop_cpu_pct", "db_thread_cpu_pct", "other_threads_cpu_pct")
+
+
+def _thread_line(r: dict) -> str:
+    return (f"  daemon CPU by thread: event loop {r['event_loop_cpu_pct']:.0f}%, database thread "
+            f"{r['db_thread_cpu_pct']:.0f}%, others {r['other_threads_cpu_pct']:.0f}%")
 
 
 def main() -> None:
@@ -426,10 +459,12 @@ def _throughput_report(ranks: int, relays: int, tag: str, r: dict, before: float
           f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
           f"daemon CPU {r['daemon_cpu_pct']:.0f}%, peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
           f"load generator (relay processes) CPU {r['generator_cpu_pct']:.0f}%")
+    print(_thread_line(r))
     figures.update({f"{tag}_rows_per_s": r["rows_per_s"], f"{tag}_sqlite_rows_per_s": base,
                     f"{tag}_ratio": ratio, f"{tag}_p50_ms": r["latency_p50_ms"],
                     f"{tag}_p99_ms": r["latency_p99_ms"], f"{tag}_peak_rss_mb": r["daemon_peak_rss_mb"],
-                    f"{tag}_daemon_cpu_pct": r["daemon_cpu_pct"], f"{tag}_generator_cpu_pct": r["generator_cpu_pct"]})
+                    f"{tag}_daemon_cpu_pct": r["daemon_cpu_pct"], f"{tag}_generator_cpu_pct": r["generator_cpu_pct"],
+                    **{f"{tag}_{k}": r[k] for k in _THREAD_FIGURES}})
 
 
 def _paced_report(ranks: int, relays: int, tag: str, r: dict, base: float, figures: dict, label: str = "") -> None:
@@ -448,6 +483,7 @@ def _paced_report(ranks: int, relays: int, tag: str, r: dict, base: float, figur
           f"peak RSS {r['daemon_peak_rss_mb']:.0f} MB; "
           f"latency p50 {r['latency_p50_ms']:.1f} ms p99 {r['latency_p99_ms']:.1f} ms; "
           f"load generator CPU {r['generator_cpu_pct']:.0f}%")
+    print(_thread_line(r))
     print(f"  baseline: plain sqlite3 executemany of the same step rows alone takes {floor_pct:.1f}% of one core "
           f"({base:,.0f} rows/s, same run)")
     print("  RSS over time (s: total MB = anon + file): " + ", ".join(
@@ -458,7 +494,8 @@ def _paced_report(ranks: int, relays: int, tag: str, r: dict, base: float, figur
                     f"{tag}_end_rss_mb": tl[-1][1] if tl else None,
                     f"{tag}_p50_ms": r["latency_p50_ms"], f"{tag}_p99_ms": r["latency_p99_ms"],
                     f"{tag}_generator_cpu_pct": r["generator_cpu_pct"],
-                    f"{tag}_sqlite_rows_per_s": base, f"{tag}_sqlite_floor_cpu_pct": floor_pct})
+                    f"{tag}_sqlite_rows_per_s": base, f"{tag}_sqlite_floor_cpu_pct": floor_pct,
+                    **{f"{tag}_{k}": r[k] for k in _THREAD_FIGURES}})
 
 
 if __name__ == "__main__":
