@@ -180,27 +180,29 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
     sent_at: dict[int, float] = {}
     latencies: list[float] = []
     seq = acked = rows = 0
+
+    def take_acks(block: bool) -> None:
+        """Read what the daemon sent (waiting for it when ``block``) and count its acks."""
+        nonlocal acked
+        for msg in read_messages(block):
+            if msg["t"] == "ack":
+                acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+
     deadline = time.monotonic() + seconds
     next_flush = time.monotonic()
     while time.monotonic() < deadline:
         if mode == "paced":
             wait = next_flush - time.monotonic()
             if wait > 0:
-                for msg in read_messages(False):
-                    if msg["t"] == "ack":
-                        acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+                take_acks(False)
                 time.sleep(min(wait, 0.05))
                 continue
             next_flush += 1.0
         elif window and seq - acked >= window:
-            for msg in read_messages(True):
-                if msg["t"] == "ack":
-                    acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+            take_acks(True)
             continue
         elif seq > acked:  # take the acks that are in, without waiting (latency)
-            for msg in read_messages(False):
-                if msg["t"] == "ack":
-                    acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+            take_acks(False)
         items = []
         for r in ranks:
             agent_seq[r] += 1
@@ -214,9 +216,7 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
     # drain the remaining acks so every counted row is stored
     drain_deadline = time.monotonic() + 120
     while acked < seq and time.monotonic() < drain_deadline:
-        for msg in read_messages(True):
-            if msg["t"] == "ack":
-                acked = _on_ack(msg["seq"], acked, sent_at, latencies)
+        take_acks(True)
     done_at = time.monotonic()
     sock.close()
     out.put({"rows": rows, "latencies": latencies, "done_at": done_at})
@@ -473,7 +473,7 @@ def _paced_report(ranks: int, relays: int, tag: str, r: dict, base: float, figur
     # executemany of just these step rows takes (the faster of a probe before and after
     # the case), with no decoding, process rows, history or aggregates.
     floor_pct = 100 * r["rows_per_s"] / base
-    # The CPU climbs for the first ~40 s (see the docstring): the second half of the
+    # The CPU climbs for the first ~60 s (see the docstring): the second half of the
     # intervals is the steady state a long run lives in, so it is reported too.
     late = [pct for _, _, _, _, pct in tl[len(tl) // 2:]]
     late_cpu = sum(late) / len(late) if late else None
