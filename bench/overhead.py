@@ -565,6 +565,77 @@ def measure_work(sizes: list[int]) -> dict[str, dict[str, float]]:
     return work
 
 
+DEVICE_CALLS = ("mark", "memory", "reset_peak")
+
+
+def time_device_calls(n_modules: int, steps: int = 400) -> dict[str, float]:
+    """The device path's calls on the training thread, timed in place (``--device cuda``).
+
+    The step-difference figures above are medians of whole GPU steps, whose kernel
+    launches vary by tens of microseconds on a shared host, so on CUDA their intervals
+    are wide. This times only the calls the device path adds to a traced step (event
+    records, the allocator statistics read, the peak reset), in a real traced step of the
+    same model: ``perf_counter_ns`` around each call, less the timer's own cost (measured
+    around an empty call). Calls per step are exact; the sum is what the GPU adds on the
+    training thread to the host-path cost measured with the GPU hidden.
+    """
+    work = Workload(n_modules)
+    tracer = Tracer(Recorder())  # its default backend: CUDA events here
+    backend = tracer._backend
+    if backend is None:
+        return {}
+    perf = time.perf_counter_ns
+    spent = dict.fromkeys(DEVICE_CALLS, 0)
+    calls = dict.fromkeys(DEVICE_CALLS, 0)
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            t0 = perf()
+            out = fn(*args)
+            spent[name] += perf() - t0
+            calls[name] += 1
+            return out
+
+        return call
+
+    empty = timed("mark", lambda: None)
+    for _ in range(20_000):
+        empty()
+    timer_ns = spent["mark"] / calls["mark"]
+    tracer.install()
+    try:
+        work.run(5, tracer.trace_step)  # the first step registers the model; the pool fills
+        tracer.poll()
+        for name in DEVICE_CALLS:  # instance attributes: the hooks look them up per call
+            spent[name] = calls[name] = 0
+            setattr(backend, name, timed(name, getattr(backend, name)))
+        done = 0
+        while done < steps:
+            work.run(20, tracer.trace_step)
+            done += 20
+            tracer.poll()  # the sender thread's job in real use: returns events to the pool
+    finally:
+        tracer.uninstall()
+        for name in DEVICE_CALLS:
+            backend.__dict__.pop(name, None)
+    out: dict[str, float] = {"timer_ns": timer_ns}
+    for name in DEVICE_CALLS:
+        out[f"{name}_calls"] = calls[name] / done
+        out[f"{name}_us"] = max(0.0, spent[name] - calls[name] * timer_ns) / done / 1e3
+    out["total_us"] = sum(out[f"{name}_us"] for name in DEVICE_CALLS)
+    return out
+
+
+def measure_device_calls(sizes: list[int]) -> dict[str, dict[str, float]]:
+    figures = {str(n): time_device_calls(n) for n in sizes}
+    for n, f in figures.items():
+        parts = ", ".join(f"{name} {f[name + '_calls']:.1f} calls {f[name + '_us']:.2f}us" for name in DEVICE_CALLS)
+        print(f"(d) device calls per traced step on the training thread, timed in place, {n:>4s} modules: "
+              f"{parts}; total {f['total_us']:.2f}us (timer's own cost {f['timer_ns']:.0f} ns a call, subtracted)",
+              flush=True)
+    return figures
+
+
 # ------------------------------------------------------------------ launch cost
 
 
@@ -776,6 +847,7 @@ def main(argv: list[str] | None = None) -> None:
     figures = report(results, modes, sizes, targets, "cpu")
     figures_wall = report(results, modes, sizes, targets, "wall")
     work = measure_work(sizes)
+    device_calls = measure_device_calls(sizes) if DEVICE.type == "cuda" else {}
     launch = {} if args.no_launch else measure_launch(3 if not args.long else 7)
     if "public" in modes:
         agent.shutdown()
@@ -783,7 +855,8 @@ def main(argv: list[str] | None = None) -> None:
         for value in r.values():
             if isinstance(value, dict):
                 value.pop("boot", None)
-    print(json.dumps({"device": args.device, "configs": results, "cpu": figures, "wall": figures_wall, "agent_work_per_step": work, **launch}))
+    print(json.dumps({"device": args.device, "configs": results, "cpu": figures, "wall": figures_wall, "agent_work_per_step": work,
+                      "device_calls_per_step": device_calls, **launch}))
 
 
 if __name__ == "__main__":
