@@ -63,6 +63,22 @@ class BatchBuilder:
         the batch that first carried them was dropped from the resend buffer."""
         self._resend_models = True
 
+    @property
+    def resolves_device(self) -> bool:
+        """True while the tracer times steps with device events (the sender then calls
+        ``resolve()`` between flushes, so the event pool refills)."""
+        return bool(getattr(self._tracer, "has_device_events", False))
+
+    def resolve(self) -> None:
+        """Resolve the device events that completed since the last call (sender thread)."""
+        resolve = getattr(self._tracer, "resolve_device", None)
+        if resolve is None:
+            return
+        try:
+            resolve()
+        except Exception as exc:
+            self._reporter.report("tracer-poll", f"step capture error (steps may be missing): {exc!r}")
+
     def build(self, now: float, *, final: bool) -> Tables:
         rec = self._recorder
         status = dict(IDLE_STATUS)

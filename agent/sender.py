@@ -11,6 +11,7 @@ failed loopback connect every few seconds and nothing on the training thread.
 
 from __future__ import annotations
 
+import math
 import random
 import select
 import socket
@@ -217,7 +218,11 @@ class Link:
 
 
 class BatchSource(Protocol):
-    """What the sender drains each flush (the runtime's batch builder)."""
+    """What the sender drains each flush (the runtime's batch builder).
+
+    A source may also have ``resolves_device`` (a bool attribute or property) and
+    ``resolve()``: while ``resolves_device`` is true, the sender calls ``resolve()``
+    every ``RESOLVE_S`` between flushes (see ``Sender._run``)."""
 
     def build(self, now: float, *, final: bool) -> Tables: ...
 
@@ -277,6 +282,15 @@ def _add_drop(tables: Tables, now: float, count: int) -> None:
             values.append(None)
 
 
+# Device timing events are resolved this often between flushes. A traced step records
+# ten CUDA events and the pool holds 8192 (agent.capture.events), so resolving once per
+# one-second flush left every step after the ~819th of each second without device timings
+# (counted as device_steps_fallback) whenever steps were shorter than ~1.2 ms. Resolving
+# every 50 ms keeps the pool refilled down to ~6 us steps; the work is the same in total
+# (one query per event), only spread out.
+RESOLVE_S = 0.05
+
+
 class Sender:
     """The sender thread: flush, number, buffer, send, resend, back off."""
 
@@ -299,6 +313,7 @@ class Sender:
         self.host, self.port = host, port
         self._token = token
         self.flush_s = flush_s
+        self.resolve_s = RESOLVE_S
         self.buffer = ResendBuffer(buffer_bytes)
         self._reporter = reporter
         self._prepare = prepare
@@ -356,9 +371,13 @@ class Sender:
         except Exception as exc:
             self._reporter.report("sender-start", f"telemetry sampler setup failed: {exc!r}")
         next_flush = time.monotonic() + self.flush_s
+        # Only a source with device events wants resolving between flushes; a host-only
+        # run wakes once per flush. Decided again after every flush: the tracer and its
+        # backend are settled lazily, at the first traced step.
+        next_resolve = self._next_resolve(source, time.monotonic())
         while not self._stop_requested:
             now = time.monotonic()
-            wait = next_flush - now
+            wait = min(next_flush, next_resolve) - now
             if self._link is None and len(self.buffer):
                 wait = min(wait, self._next_connect - now)
             self._wake.wait(max(0.0, wait))
@@ -366,9 +385,14 @@ class Sender:
             if self._stop_requested:
                 break
             try:
-                if time.monotonic() >= next_flush:
-                    next_flush = max(next_flush + self.flush_s, time.monotonic())
+                now = time.monotonic()
+                if now >= next_flush:
+                    next_flush = max(next_flush + self.flush_s, now)
                     self._flush(source, final=False)
+                    next_resolve = self._next_resolve(source, now)
+                elif now >= next_resolve:
+                    self._resolve(source)
+                    next_resolve = self._next_resolve(source, now)
                 self._pump(final=False)
             except Exception as exc:  # a bug here must not kill telemetry for the run
                 self._reporter.report("sender-loop", f"telemetry sender error: {exc!r}")
@@ -383,6 +407,22 @@ class Sender:
                 self._link.close(bye=True)
                 self._link = None
             self.finished.set()
+
+    def _next_resolve(self, source: BatchSource | None, now: float) -> float:
+        """When to resolve device events next: ``inf`` for a source without them."""
+        try:
+            wanted = bool(getattr(source, "resolves_device", False))
+        except Exception:
+            wanted = False
+        return now + self.resolve_s if wanted else math.inf
+
+    def _resolve(self, source: BatchSource | None) -> None:
+        try:
+            resolve = getattr(source, "resolve", None)
+            if resolve is not None:
+                resolve()
+        except Exception as exc:  # its own error, not the link's: keep sending
+            self._reporter.report("sender-resolve", f"device event resolution failed: {exc!r}")
 
     def _flush(self, source: BatchSource | None, *, final: bool) -> None:
         if source is None:

@@ -420,6 +420,21 @@ class Tracer:
         except Exception as exc:
             self._gate.fail("poll_scalars", exc)
 
+    @property
+    def has_device_events(self) -> bool:
+        """Steps are timed with device events, which ``resolve_device`` hands back to their pool."""
+        return self._backend is not None
+
+    def resolve_device(self) -> None:
+        """Between flushes (sender thread): emit the steps whose device events completed,
+        returning the events to the pool; the host path has nothing to resolve."""
+        if self._backend is None:
+            return
+        try:
+            self._resolve_pending(False)
+        except Exception as exc:
+            self._gate.fail("poll_steps", exc)
+
     def parallelism(self) -> str:
         try:
             kinds = {state.info.parallelism for state in self._states()}

@@ -568,18 +568,21 @@ def measure_work(sizes: list[int]) -> dict[str, dict[str, float]]:
 DEVICE_CALLS = ("mark", "memory", "reset_peak")
 
 
-def time_device_calls(n_modules: int, steps: int = 400) -> dict[str, float]:
+def time_device_calls(n_modules: int, target_ms: float, rate: float, seconds: float = 1.0) -> dict[str, float]:
     """The device path's calls on the training thread, timed in place (``--device cuda``).
 
     The step-difference figures above are medians of whole GPU steps, whose kernel
     launches vary by tens of microseconds on a shared host, so on CUDA their intervals
     are wide. This times only the calls the device path adds to a traced step (event
     records, the allocator statistics read, the peak reset), in a real traced step of the
-    same model: ``perf_counter_ns`` around each call, less the timer's own cost (measured
-    around an empty call). Calls per step are exact; the sum is what the GPU adds on the
-    training thread to the host-path cost measured with the GPU hidden.
+    same model padded to the same step time: ``perf_counter_ns`` around each call, less
+    the timer's own cost (measured around an empty call). Calls per step are exact; the
+    sum is what the GPU adds on the training thread to the host-path cost measured with
+    the GPU hidden.
     """
     work = Workload(n_modules)
+    body_ns = statistics.median(work.run(15, None)[0])
+    work.pad = max(0, int((target_ms * 1e6 - body_ns) * rate))
     tracer = Tracer(Recorder())  # its default backend: CUDA events here
     backend = tracer._backend
     if backend is None:
@@ -609,6 +612,8 @@ def time_device_calls(n_modules: int, steps: int = 400) -> dict[str, float]:
         for name in DEVICE_CALLS:  # instance attributes: the hooks look them up per call
             spent[name] = calls[name] = 0
             setattr(backend, name, timed(name, getattr(backend, name)))
+        # About ``seconds`` of steps (at least 100), whatever the step time.
+        steps = max(100, int(seconds * 1e9 / max(target_ms * 1e6, body_ns)))
         done = 0
         while done < steps:
             work.run(20, tracer.trace_step)
@@ -626,13 +631,18 @@ def time_device_calls(n_modules: int, steps: int = 400) -> dict[str, float]:
     return out
 
 
-def measure_device_calls(sizes: list[int]) -> dict[str, dict[str, float]]:
-    figures = {str(n): time_device_calls(n) for n in sizes}
-    for n, f in figures.items():
-        parts = ", ".join(f"{name} {f[name + '_calls']:.1f} calls {f[name + '_us']:.2f}us" for name in DEVICE_CALLS)
-        print(f"(d) device calls per traced step on the training thread, timed in place, {n:>4s} modules: "
-              f"{parts}; total {f['total_us']:.2f}us (timer's own cost {f['timer_ns']:.0f} ns a call, subtracted)",
-              flush=True)
+def measure_device_calls(sizes: list[int], targets: list[float], rate: float) -> dict[str, dict[str, float]]:
+    """``time_device_calls`` for every model size and step time, keyed "modules@ms"."""
+    figures: dict[str, dict[str, float]] = {}
+    for target_ms in targets:
+        for n in sizes:
+            f = figures[f"{n}@{target_ms}"] = time_device_calls(n, target_ms, rate)
+            if not f:
+                continue
+            parts = ", ".join(f"{name} {f[name + '_calls']:.1f} calls {f[name + '_us']:.2f}us" for name in DEVICE_CALLS)
+            print(f"(d) device calls per traced ~{target_ms} ms step on the training thread, timed in place, {n:4d} modules: "
+                  f"{parts}; total {f['total_us']:.2f}us (timer's own cost {f['timer_ns']:.0f} ns a call, subtracted)",
+                  flush=True)
     return figures
 
 
@@ -847,7 +857,7 @@ def main(argv: list[str] | None = None) -> None:
     figures = report(results, modes, sizes, targets, "cpu")
     figures_wall = report(results, modes, sizes, targets, "wall")
     work = measure_work(sizes)
-    device_calls = measure_device_calls(sizes) if DEVICE.type == "cuda" else {}
+    device_calls = measure_device_calls(sizes, targets, rate) if DEVICE.type == "cuda" else {}
     launch = {} if args.no_launch else measure_launch(3 if not args.long else 7)
     if "public" in modes:
         agent.shutdown()

@@ -248,3 +248,52 @@ def test_automatic_backend_is_kept_only_where_the_process_uses_cuda(
     else:
         assert tracer._backend is None and backend.marked == []  # no event was ever recorded
         assert steps["peak_bytes"] == [None, None]
+
+
+def test_resolving_between_flushes_keeps_the_event_pool_from_running_out(recorder: Recorder) -> None:
+    """A pool of three steps' events: resolved after every step (the sender thread's
+    resolve_device between flushes), it never runs out; resolved only at the end (one
+    flush), most steps lose their device timings."""
+    per_step = 8  # events a CPU-side traced step records: enter, exit, three phase pairs
+    for resolve_each_step in (True, False):
+        backend = FakeBackend(cap=3 * per_step)
+        tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
+        tracer.install()
+        try:
+            assert tracer.has_device_events
+            model = Net()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(10):
+                with tracer.trace_step(model):
+                    model(torch.randn(2, 4)).sum().backward()
+                    opt.step()
+                backend.complete_upto(len(backend.marked) - 1)  # the device caught up
+                if resolve_each_step:
+                    tracer.resolve_device()
+            tracer.poll()
+            steps = recorder.drain()["steps"]
+        finally:
+            tracer.uninstall()
+        assert steps["step"] == list(range(10))  # every step arrives either way
+        if resolve_each_step:
+            assert backend.exhausted == 0 and tracer.device_steps_fallback == 0
+            assert steps["peak_bytes"] == [1234] * 10  # device rows, all of them
+            assert len(backend.marked) == 10 * per_step and backend.live == set()
+        else:
+            assert backend.exhausted > 0 and tracer.device_steps_fallback >= 7
+
+
+def test_a_host_only_tracer_has_nothing_to_resolve(recorder: Recorder) -> None:
+    tracer = Tracer(recorder, event_backend=None)
+    tracer.install()
+    try:
+        model = Net()
+        with tracer.trace_step(model):
+            model(torch.randn(2, 4)).sum().backward()
+        assert not tracer.has_device_events
+        tracer.resolve_device()
+        assert "steps" not in recorder.drain()  # host rows go out with the flush's poll()
+        tracer.poll()
+        assert recorder.drain()["steps"]["step"] == [0]
+    finally:
+        tracer.uninstall()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +29,7 @@ from agent.capture.events import CudaEventBackend
 from agent.recorder import Recorder
 from agent.samplers import GpuSampler, Nvml, ProcessSampler
 from agent.tracer import Tracer
-from tests.support.procs import free_port
+from tests.support.procs import base_env, free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -278,3 +280,41 @@ def _nccl_worker(rank: int, port: int, out: str) -> None:
         "max_diff_traced_vs_plain": _max_diff(traced, plain)}))
     tracer.uninstall()
     dist.destroy_process_group()
+
+
+# A real runtime (agent.init, its sender thread) traces 3000 short CUDA steps with one
+# flush a minute: 30,000 events against a pool of 8192, so only the sender's resolution
+# between flushes (sender.RESOLVE_S) keeps every step's device timings.
+_FAST_STEPS_SCRIPT = """
+import json, time, torch, agent
+from agent import runtime
+agent.init()
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.randn(32, 64).pin_memory()
+t0 = time.perf_counter()
+for _ in range(3000):
+    with agent.trace_step(model):
+        model(x.to("cuda", non_blocking=True)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+elapsed = time.perf_counter() - t0
+counters = runtime.current.tracer.counters()
+agent.shutdown()
+print(json.dumps({"counters": counters, "steps_per_s": 3000 / elapsed}))
+"""
+
+
+def test_short_steps_keep_their_device_timings_between_flushes() -> None:
+    env = base_env(TRACEML_DAEMON=f"127.0.0.1:{free_port()}", TRACEML_RELAY_PORT=str(free_port()),
+                   TRACEML_NO_RELAY="1", TRACEML_FLUSH_S="60", TRACEML_SHUTDOWN_S="2")
+    done = subprocess.run([sys.executable, "-c", _FAST_STEPS_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(res))
+    counters = res["counters"]
+    assert counters["events_exhausted"] == 0, res
+    assert counters["device_steps_fallback"] == 0, res
+    assert counters["device_steps_dropped"] == 0 and counters["tracer_errors"] == 0, res

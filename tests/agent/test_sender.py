@@ -261,3 +261,56 @@ def test_oversize_row_is_counted_and_shipped_as_a_drop(fake_relay: FakeRelay, ca
 def test_hello_mac_matches_token() -> None:
     # Guard against the agent and the fake relay drifting apart on the MAC input.
     assert hello_mac("t", b"n" * 16, "agent", "x") != hello_mac("u", b"n" * 16, "agent", "x")
+
+
+class DeviceSource(CountingSource):
+    """A source whose tracer times steps with device events (or not): counts resolve() calls."""
+
+    def __init__(self, device: bool, fail: bool = False) -> None:
+        super().__init__()
+        self.resolves_device = device
+        self.resolves = 0
+        self.fail = fail
+
+    def resolve(self) -> None:
+        self.resolves += 1
+        if self.fail:
+            raise RuntimeError("resolve broke")
+
+
+def _quiet_sender(relay_port: int, source: CountingSource, flush_s: float) -> Sender:
+    sender = make_sender(relay_port, source=source)
+    sender.flush_s = flush_s
+    sender.resolve_s = 0.01
+    return sender
+
+
+def test_device_events_are_resolved_between_flushes(fake_relay: FakeRelay) -> None:
+    # One flush a minute: only the between-flush resolution can refill the event pool.
+    source = DeviceSource(device=True)
+    sender = _quiet_sender(fake_relay.port, source, flush_s=60.0)
+    sender.start()
+    assert fake_relay.wait_for(lambda: source.resolves >= 5)
+    assert source.flushes == 0
+    assert sender.stop(2.0)
+    assert source.final  # the final flush still went out
+
+
+def test_a_host_only_source_is_never_resolved(fake_relay: FakeRelay) -> None:
+    source = DeviceSource(device=False)
+    sender = _quiet_sender(fake_relay.port, source, flush_s=0.02)
+    sender.start()
+    assert fake_relay.wait_for(lambda: source.flushes >= 5)
+    assert sender.stop(2.0)
+    assert source.resolves == 0  # a CPU run wakes once per flush, not every resolve_s
+
+
+def test_a_failing_resolve_is_reported_and_sending_goes_on(fake_relay: FakeRelay,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    source = DeviceSource(device=True, fail=True)
+    sender = _quiet_sender(fake_relay.port, source, flush_s=0.05)
+    sender.start()
+    assert fake_relay.wait_for(lambda: source.resolves >= 3 and len(fake_relay.batches) >= 3)
+    assert sender.stop(2.0)
+    assert fake_relay.connections == 1  # the link was not dropped for it
+    assert "device event resolution failed" in capsys.readouterr().err
