@@ -20,6 +20,14 @@ Tables = dict[str, dict[str, list[Any]]]
 
 IDLE_STATUS: dict[str, Any] = {"phase": "idle", "phase_since": None, "step": None, "steps_done": 0}
 
+# The loss counters ("drops" rows: ten of them, cumulative, nearly always zero) go out
+# when one changed, and otherwise once every this many flushes, after a reconnect and
+# at the end. Sent with every one-second flush they were as many rows as a 10-step/s
+# rank's steps, and the daemon stored each one: at 4096 ranks, ~40,000 rows a second
+# that say nothing new. The refresh covers a batch lost on the way (a resend-buffer
+# eviction changes a counter itself, and so sends the set).
+COUNTERS_REFRESH_FLUSHES = 60
+
 
 class TracerLike(Protocol):
     def status(self) -> dict[str, Any]: ...
@@ -50,6 +58,8 @@ class BatchBuilder:
         self._gpus = GpuSampler(self._nvml) if self._nvml is not None else None
         self._poll_takes_final = _accepts(getattr(tracer, "poll", None), "final")
         self._resend_models = False
+        self._sent_counters: dict[str, int] | None = None  # None: send the set next flush
+        self._flushes_since_counters = 0
 
     def set_tracer(self, tracer: TracerLike) -> None:
         """The runtime builds its tracer lazily, possibly after this builder: attach it."""
@@ -59,9 +69,11 @@ class BatchBuilder:
         self._tracer = tracer
 
     def resend_models(self) -> None:
-        """After a reconnect: the next batch repeats the "models" rows, in case
-        the batch that first carried them was dropped from the resend buffer."""
+        """After a reconnect: the next batch repeats the "models" rows and the loss
+        counters, in case the batch that first carried them was dropped from the
+        resend buffer."""
         self._resend_models = True
+        self._sent_counters = None
 
     @property
     def resolves_device(self) -> bool:
@@ -101,8 +113,13 @@ class BatchBuilder:
             for row in self._optional("model_rows", list):
                 rec.add("models", row)
         counters = {**self._counters(), **self._optional("counters", dict)}
-        for source, count in counters.items():
-            rec.add("drops", {"ts": now, "source": source, "count": count})
+        self._flushes_since_counters += 1
+        if (final or counters != self._sent_counters
+                or self._flushes_since_counters >= COUNTERS_REFRESH_FLUSHES):
+            self._sent_counters = counters
+            self._flushes_since_counters = 0
+            for source, count in counters.items():
+                rec.add("drops", {"ts": now, "source": source, "count": count})
         return rec.drain()
 
     def _optional(self, name: str, kind: type) -> Any:

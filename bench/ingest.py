@@ -2,8 +2,10 @@
 
 R simulated ranks behind K relay processes (K = R/8 by default) speak the real
 wire protocol over real sockets to a real ``traceml-daemon serve``: each relay
-process does the relay handshake, packs its ranks' step, process, memory and
-status rows as agent batch bodies (columnar msgpack), forwards them in
+process does the relay handshake, packs its ranks' rows as agent batch bodies
+(columnar msgpack) the way real agents fill their flushes (steps with their
+memory columns, process, status, the loss counters on the agent's schedule,
+and host and GPU rows from each node's local rank 0: ``AgentMix``), forwards them in
 numbered rbatches and reads the daemon's acks, which the daemon sends only
 after the rows are committed. Two modes per R:
 
@@ -51,6 +53,7 @@ Ends with one JSON line holding every figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -70,6 +73,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from agent.batch import COUNTERS_REFRESH_FLUSHES  # noqa: E402
 from traceml_daemon import memdebug  # noqa: E402
 from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS  # noqa: E402
 from traceml_wire import FrameDecoder, encode_frame, unpack_message  # noqa: E402
@@ -103,16 +107,40 @@ def _step_rows(rank: int, first_step: int, n: int, rng: random.Random) -> list[d
 _POOL = 4096  # random step rows per worker, reused with advancing step numbers
 
 
+# The loss counters a real agent reports (agent/runtime.py and Tracer.counters on a GPU).
+AGENT_COUNTERS = ("recorder_rows", "sender_batches", "sender_bytes", "agent_errors", "tracer_errors",
+                  "device_steps_dropped", "device_steps_fallback", "device_steps_overflow", "steps_dropped",
+                  "scalars_dropped", "events_exhausted")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentMix:
+    """What a simulated agent's flush holds besides its steps, process and status rows,
+    as a real agent's does: the loss counters (every ``counters_every``-th flush, from
+    the first; 0: never) and, on each node's local rank 0, a host row and one row per GPU."""
+
+    counters_every: int = COUNTERS_REFRESH_FLUSHES
+    gpus_per_node: int = 8
+
+    def describe(self) -> str:
+        counters = "never" if not self.counters_every else (
+            "every flush" if self.counters_every == 1 else f"every {self.counters_every} flushes")
+        return (f"per rank-flush: {STEPS_PER_FLUSH} step, 1 process, 1 status rows; {len(AGENT_COUNTERS)} counter "
+                f"rows {counters}; local rank 0 also 1 system and {self.gpus_per_node} gpu rows")
+
+
 class BodyMaker:
     """Agent batch bodies, cheap to make: the relay must not be what the benchmark
     measures (a real relay forwards bodies the agents packed, it never builds them)."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, mix: AgentMix) -> None:
         rows = _step_rows(0, 0, _POOL, rng)
         self.cols = {c: [r[c] for r in rows] for c in columns("steps")}
         self.at = 0
+        self.mix = mix
 
-    def body(self, first_step: int, n: int) -> bytes:
+    def body(self, first_step: int, n: int, flush: int, leader: bool) -> bytes:
+        """Rank's ``flush``-th body (from 0) of ``n`` steps; ``leader``: its node's local rank 0."""
         at = self.at = (self.at + n) % (_POOL - n)
         now = time.time()
         steps = {c: v[at:at + n] for c, v in self.cols.items()}
@@ -125,16 +153,29 @@ class BodyMaker:
             "status": {"ts": [now], "phase": ["forward"], "phase_since": [now], "step": [first_step + n],
                        "steps_done": [first_step + n], "finished": [0]},
         }
+        every = self.mix.counters_every
+        if every and flush % every == 0:
+            k = len(AGENT_COUNTERS)
+            tables["drops"] = {"ts": [now] * k, "source": list(AGENT_COUNTERS), "count": [0] * k}
+        if leader:
+            tables["system"] = {"ts": [now], "cpu_pct": [55.0], "mem_used_bytes": [300 << 30],
+                                "mem_total_bytes": [2048 << 30], "net_rx_bps": [1.2e9], "net_tx_bps": [1.1e9],
+                                "disk_read_bps": [2.0e8], "disk_write_bps": [1.0e7]}
+            g = self.mix.gpus_per_node
+            if g:
+                tables["gpu"] = {"ts": [now] * g, "gpu_index": list(range(g)), "util_pct": [97.0] * g,
+                                 "mem_used_bytes": [70 << 30] * g, "mem_total_bytes": [80 << 30] * g,
+                                 "temp_c": [65.0] * g, "power_w": [600.0] * g}
         return encode_body(tables, sent_ts=now)
 
 
 def relay_worker(port: int, relays: list[tuple[int, list[int]]], mode: str, seconds: float, window: int,
-                 out: mp.Queue) -> None:
+                 out: mp.Queue, mix: AgentMix) -> None:
     """One process running several relays, one thread each: 512 relay processes
     would swamp a 2-core machine with interpreters instead of measuring the daemon."""
     import threading
 
-    maker = BodyMaker(random.Random(relays[0][0]))
+    maker = BodyMaker(random.Random(relays[0][0]), mix)
     lock = threading.Lock()
     threads = [threading.Thread(target=relay_conn, args=(port, node, ranks, mode, seconds, window, out, maker, lock))
                for node, ranks in relays]
@@ -207,7 +248,8 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
         for r in ranks:
             agent_seq[r] += 1
             with lock:  # type: ignore[attr-defined]
-                items.append([f"bench/r{r}", agent_seq[r], maker.body(step[r], STEPS_PER_FLUSH)])
+                body = maker.body(step[r], STEPS_PER_FLUSH, agent_seq[r] - 1, r % 8 == 0)
+                items.append([f"bench/r{r}", agent_seq[r], body])
             step[r] += STEPS_PER_FLUSH
         seq += 1
         sock.sendall(encode_frame(m.relay_batch(seq, items, peers, {"node_rank": node}, {})))
@@ -280,7 +322,7 @@ def _policy_overrides(pairs: list[str]) -> dict[str, int | float]:
 
 
 def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rss_every: float = 10.0,
-             policy: dict[str, int | float] | None = None) -> dict:
+             policy: dict[str, int | float] | None = None, mix: AgentMix | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -306,7 +348,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
     out: mp.Queue = ctx.Queue()
     per = [(i, list(range(i, ranks, relays))) for i in range(relays)]
     nproc = min(relays, 4)
-    workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out))
+    workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out, mix or AgentMix()))
                for i in range(nproc)]
     cpu0 = proc.cpu_times()
     threads0 = _thread_cpu(proc)
@@ -407,30 +449,44 @@ def main() -> None:
                         "(a same-run baseline for a policy change, e.g. sqlite_cache_kib=2000)")
     p.add_argument("--keep-db", action="store_true",
                    help="keep each case's database and daemon log (removed after the case by default)")
+    p.add_argument("--counters-every", type=int, default=COUNTERS_REFRESH_FLUSHES,
+                   help="flushes between an agent's loss-counter rows (default: the agent's refresh, "
+                        f"{COUNTERS_REFRESH_FLUSHES}; 1: every flush, as agents sent them before; 0: never)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="gpu rows in each node leader's flush")
+    p.add_argument("--versus-counters-every", type=int, default=None, metavar="N",
+                   help="every case also runs, right before, with agents sending their counters every N flushes")
     args = p.parse_args()
     versus = _policy_overrides(args.versus)
+    mix = AgentMix(args.counters_every, args.gpus_per_node)
+    versus_mix = None if args.versus_counters_every is None else dataclasses.replace(
+        mix, counters_every=args.versus_counters_every)
+    versus_label = " ".join(filter(None, [f"{args.versus}" if versus else "",
+                                          versus_mix.describe() if versus_mix else ""]))
+    print(f"agents: {mix.describe()}", flush=True)
     figures: dict[str, float | None] = {}
     for ranks in args.ranks:
         relays = min(ranks, args.relays) if args.relays else max(1, ranks // 8)
         for mode in args.modes:
             before = _probe_baseline()
-            if versus:
-                versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus)
-            r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every)
+            compare = bool(versus or versus_mix)
+            if compare:
+                versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus or None,
+                                       versus_mix or mix)
+            r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, mix=mix)
             tag = f"r{ranks}_k{relays}_{mode}" if args.relays else f"r{ranks}_{mode}"
             if mode == "throughput":
-                if versus:
+                if compare:
                     _throughput_report(ranks, relays, f"{tag}_versus", versus_case, before, figures,
-                                       label=f" versus {args.versus}")
+                                       label=f" versus {versus_label}")
                 _throughput_report(ranks, relays, tag, r, before, figures)
             else:
                 base = max(before, _probe_baseline())
-                if versus:
+                if compare:
                     _paced_report(ranks, relays, f"{tag}_versus", versus_case, base, figures,
-                                  label=f"versus {args.versus}")
+                                  label=f"versus {versus_label}")
                 _paced_report(ranks, relays, tag, r, base, figures)
             # Each case's database and daemon log are hundreds of MB at 4096 ranks.
-            for case in (r, versus_case) if versus else (r,):
+            for case in (r, versus_case) if compare else (r,):
                 if args.keep_db:
                     print(f"  kept {case['tmp']} (database and daemon.log)")
                 else:

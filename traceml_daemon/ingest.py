@@ -149,10 +149,14 @@ class Ingestor:
         # The identity each sender's committed ranks row holds: a sender whose template
         # is that same object needs only its dedup mark updated.
         self._committed: dict[str, _RankTemplate] = {}
+        # Per sender, the loss counters as last put in the "drops" table: a row is stored
+        # only when its counter changed (agents repeat unchanged counters as a refresh).
+        self._drops_stored: dict[str, dict[str, int]] = {}
 
     def statistics(self) -> dict[str, int]:
         """How many senders each long-lived map holds (memory diagnosis)."""
-        return {"known": len(self.known), "pending": len(self.pending), "templates": len(self._templates)}
+        return {"known": len(self.known), "pending": len(self.pending), "templates": len(self._templates),
+                "drops_stored": len(self._drops_stored)}
 
     def last_seq(self, sender: str) -> int:
         state = self.known.get(sender)
@@ -246,10 +250,15 @@ class Ingestor:
         self._templates[sender] = template
         return template
 
-    @staticmethod
-    def _add_tables(plan: Plan, rank_id: int, sender: str, tables: dict[str, list[Column]]) -> None:
+    def _add_tables(self, plan: Plan, rank_id: int, sender: str, tables: dict[str, list[Column]]) -> None:
         chunks = plan.chunks
         for name, cols in tables.items():
+            if name == "drops":
+                # Cumulative counters: the latest value per source wins the delivery figure,
+                # and the table keeps each change (when a loss happened), not each repeat.
+                cols = self._changed_drops(plan, sender, cols)
+                if cols is None:
+                    continue
             have = chunks.get(name)
             if have is None:
                 chunks[name] = [(rank_id, cols)]
@@ -264,12 +273,25 @@ class Ingestor:
                     plan.steps_by_rank[rank_id] = [cols]
                 else:
                     batches.append(cols)
-            elif name == "drops":
-                # Cumulative counters: the latest value per source wins.
-                drops = plan.agent_drops.setdefault(sender, {})
-                for source, count in zip(cols[_DROP_SOURCE], cols[_DROP_COUNT], strict=True):
-                    if isinstance(source, str) and isinstance(count, int):
-                        drops[source] = max(drops.get(source, 0), count)
+
+    def _changed_drops(self, plan: Plan, sender: str, cols: list[Column]) -> list[Column] | None:
+        """Fold a batch's "drops" rows into the plan's delivery counters; return the rows
+        whose counter differs from what the table last got from ``sender`` (None: none)."""
+        drops = plan.agent_drops.setdefault(sender, {})
+        stored = self._drops_stored.setdefault(sender, {})
+        keep: list[int] = []
+        for i, (source, count) in enumerate(zip(cols[_DROP_SOURCE], cols[_DROP_COUNT], strict=True)):
+            if isinstance(source, str) and isinstance(count, int):
+                drops[source] = max(drops.get(source, 0), count)
+                if stored.get(source) == count:
+                    continue
+                stored[source] = count
+            keep.append(i)  # a malformed row is stored as sent, as before
+        if not keep:
+            return None
+        if len(keep) == len(cols[0]):
+            return cols
+        return [[col[i] for i in keep] for col in cols]
 
     def staged(self, plan: Plan) -> None:
         """``plan`` is on its way to the database: later plans dedup against it.

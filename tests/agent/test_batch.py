@@ -56,3 +56,29 @@ def test_a_failing_tracer_is_reported_not_raised(capsys: pytest.CaptureFixture[s
     builder = _builder(Recorder(), Broken())
     builder.resolve()
     assert "boom" in capsys.readouterr().err
+
+
+def test_loss_counters_go_out_when_they_change_and_on_a_refresh() -> None:
+    from agent.batch import COUNTERS_REFRESH_FLUSHES
+
+    counts = {"recorder_rows": 0, "sender_batches": 0}
+    builder = BatchBuilder(Recorder(), None, is_node_leader=lambda: False, counters=lambda: dict(counts),
+                           reporter=ErrorReporter(), sample_gpus=False)
+
+    def sent(final: bool = False) -> dict[str, int] | None:
+        tables = builder.build(0.0, final=final)
+        assert tables["status"]["ts"] == [0.0]  # status and process rows go out every flush
+        drops = tables.get("drops")
+        return None if drops is None else dict(zip(drops["source"], drops["count"], strict=True))
+
+    assert sent() == {"recorder_rows": 0, "sender_batches": 0}  # the first flush: the whole set
+    assert sent() is None  # nothing changed
+    counts["sender_batches"] = 3
+    assert sent() == {"recorder_rows": 0, "sender_batches": 3}  # a change sends the whole set
+    flushes = [sent() for _ in range(COUNTERS_REFRESH_FLUSHES)]
+    assert flushes[:-1] == [None] * (COUNTERS_REFRESH_FLUSHES - 1)
+    assert flushes[-1] == {"recorder_rows": 0, "sender_batches": 3}  # the refresh
+    builder.resend_models()  # a reconnect
+    assert sent() == {"recorder_rows": 0, "sender_batches": 3}
+    assert sent() is None
+    assert sent(final=True) == {"recorder_rows": 0, "sender_batches": 3}  # the last flush always carries them

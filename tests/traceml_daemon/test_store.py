@@ -124,6 +124,35 @@ def test_relay_stats_and_agent_drops_are_delivery_counters(tmp_path: Path) -> No
     assert counters["relay_dropped_batches"] == 4
 
 
+def test_drops_rows_are_stored_when_a_counter_changes_not_when_it_repeats(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+
+    def counters(ts: float, **values: int) -> bytes:
+        return encode_body({"drops": {"ts": [ts] * len(values), "source": list(values), "count": list(values.values())}})
+
+    writer = asyncio.run(
+        write_all(
+            db,
+            [item(1, [[A0, 1, counters(1.0, recorder_rows=0, steps_dropped=0)],
+                      [A0, 2, counters(2.0, recorder_rows=0, steps_dropped=0)]])],  # a repeat, same transaction
+            [item(2, [[A0, 3, counters(3.0, recorder_rows=0, steps_dropped=0)],  # a repeat, next transaction
+                      [A1, 1, counters(3.0, recorder_rows=0, steps_dropped=0)]])],  # another agent's first
+            [item(3, [[A0, 4, counters(4.0, recorder_rows=0, steps_dropped=2)]])],  # one counter moved
+        )
+    )
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT r.global_rank, d.ts, d.source, d.count FROM drops d JOIN ranks r USING (rank_id) "
+                        "ORDER BY d.ts, r.global_rank, d.source").fetchall()
+    conn.close()
+    assert rows == [
+        (0, 1.0, "recorder_rows", 0), (0, 1.0, "steps_dropped", 0),
+        (1, 3.0, "recorder_rows", 0), (1, 3.0, "steps_dropped", 0),
+        (0, 4.0, "steps_dropped", 2),  # when the loss happened
+    ]
+    assert writer.counters.rows_stored == 5
+    assert reader.delivery_counters(reader.open_readonly(str(db)))["agent_steps_dropped"] == 2
+
+
 def test_bad_body_is_counted_and_skipped_not_fatal(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
     writer = asyncio.run(write_all(db, [item(1, [[A0, 1, b"\xc1garbage"], [A1, 1, steps_body(0, 2)]])]))
