@@ -26,7 +26,7 @@ from typing import Any
 from traceml_daemon.aggregates import Aggregates, RankSnapshot
 from traceml_daemon.counters import Counters
 from traceml_daemon.metrics import GpuMetrics, MetricsSnapshot, NodeMetrics, RankMetrics, VerdictMetric
-from traceml_daemon.store import reader, samples
+from traceml_daemon.store import reader
 
 log = logging.getLogger("traceml_daemon.metrics")
 
@@ -57,14 +57,19 @@ def _label(value: int | None) -> str:
 
 
 def _latest_system(conn: sqlite3.Connection, rank_id: int) -> tuple[Any, ...] | None:
-    # A few index seeks (store/samples.py), whatever the length of the run.
-    rows = samples.newest(conn, "system", "ts, cpu_pct, mem_used_bytes, mem_total_bytes", rank_id, 1)
-    return rows[0] if rows else None
+    # (rank_id, ts) index: one seek, whatever the length of the run.
+    return conn.execute(
+        "SELECT ts, cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE rank_id=? ORDER BY ts DESC LIMIT 1",
+        (rank_id,),
+    ).fetchone()
 
 
 def _latest_gpus(conn: sqlite3.Connection, rank_id: int) -> list[GpuMetrics]:
-    rows = samples.newest(conn, "gpu", "gpu_index, util_pct, mem_used_bytes, mem_total_bytes, temp_c, power_w",
-                          rank_id, 64)
+    rows = conn.execute(
+        "SELECT gpu_index, util_pct, mem_used_bytes, mem_total_bytes, temp_c, power_w FROM gpu "
+        "WHERE rank_id=? ORDER BY ts DESC LIMIT 64",
+        (rank_id,),
+    ).fetchall()
     latest: dict[int, GpuMetrics] = {}
     for idx, util, used, total, temp, power in rows:  # newest first: the first row per GPU wins
         if idx is not None and idx not in latest:

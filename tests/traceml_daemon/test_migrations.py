@@ -1,7 +1,6 @@
 """Older databases migrate forward: a v1 database (no history tables) gets its
 history backfilled from raw steps, a v2 database keeps every history row under
-the v3 keys, a v3 database's host samples are indexed by time slice (v4), and
-the writer carries on where it stopped."""
+the v3 keys, and the writer carries on where it stopped."""
 
 from __future__ import annotations
 
@@ -37,10 +36,10 @@ def _v1_database(db: Path) -> None:
 def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
-    assert SCHEMA_VERSION == 4
-    assert migrate(str(db)) == 4
+    assert SCHEMA_VERSION == 3
+    assert migrate(str(db)) == 3
     conn = ro(db)
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
     for level in HISTORY_LEVELS:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))
@@ -88,7 +87,7 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
     before = {t: _dump(conn, t) for t in ("rank_history", "node_history", "reservoir", "reservoir_state")}
     conn.close()
     assert all(before.values())
-    assert migrate(str(db)) == 4
+    assert migrate(str(db)) == 3
     conn = ro(db)
     assert {t: _dump(conn, t) for t in before} == before
     keys = {
@@ -108,29 +107,4 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
     assert [(r[1], [c[2] for c in conn.execute(f"PRAGMA index_info('{r[1]}')")]) for r in unique] == [
         ("status_one_per_rank", ["rank_id"])
     ]
-    conn.close()
-
-
-def test_v3_host_samples_are_indexed_by_time_slice_and_keep_their_rows(tmp_path: Path) -> None:
-    db = tmp_path / "v3.db"
-    _v1_database(db)
-    conn = sqlite3.connect(db, isolation_level=None)
-    for statement in MIGRATIONS[1] + MIGRATIONS[2]:  # exactly what traceml-daemon 3 ran
-        conn.execute(statement)
-    conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
-    conn.executemany("INSERT INTO process (rank_id, ts, cpu_pct) VALUES (?, ?, ?)",
-                     [(r, 1000.0 + t, float(t)) for t in range(30) for r in (1, 2)])
-    conn.executemany("INSERT INTO gpu (rank_id, ts, gpu_index, util_pct) VALUES (?, ?, ?, ?)",
-                     [(1, 1000.0 + t, g, 50.0) for t in range(30) for g in range(2)])
-    before = {t: _dump(conn, t) for t in ("process", "system", "gpu")}
-    conn.close()
-    assert migrate(str(db)) == 4
-    conn = ro(db)
-    assert {t: _dump(conn, t) for t in before} == before
-    indexes = {t: sorted(r[1] for r in conn.execute(f"PRAGMA index_list('{t}')")) for t in before}
-    assert indexes == {"process": ["process_by_slice"], "system": ["system_by_slice"], "gpu": ["gpu_by_slice"]}
-    plan = conn.execute(
-        "EXPLAIN QUERY PLAN SELECT ts FROM process WHERE CAST(ts / 4 AS INTEGER) IN (250, 251) AND rank_id=1"
-    ).fetchall()
-    assert "INDEX process_by_slice (<expr>=? AND rank_id=?)" in plan[0][3], plan
     conn.close()

@@ -21,7 +21,6 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
-from traceml_daemon.store import samples
 from traceml_daemon.store.schema import SCHEMA_VERSION
 
 
@@ -249,16 +248,19 @@ def load_systems(conn: sqlite3.Connection, run: RunRef, last_n: int = 120) -> li
         if rank.node_rank is None:
             continue
         node = out.setdefault(rank.node_rank, NodeSystem(node_rank=rank.node_rank, hostname=rank.hostname))
-        if rank.local_rank not in (0, None):
-            continue  # only a node's local rank 0 samples the host and its GPUs
-        rows = samples.newest(conn, "system", "cpu_pct, mem_used_bytes, mem_total_bytes", rank.rank_id, last_n)[::-1]
+        rows = conn.execute(
+            "SELECT cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+            (rank.rank_id, last_n),
+        ).fetchall()[::-1]
         if rows:
             node.cpu_pct = [r[0] for r in rows]
             node.mem_used_bytes = [r[1] for r in rows]
             node.mem_total_bytes = rows[-1][2]
-        gpu_rows = samples.newest(
-            conn, "gpu", "gpu_index, util_pct, temp_c, mem_used_bytes, mem_total_bytes", rank.rank_id, last_n * 8
-        )[::-1]
+        gpu_rows = conn.execute(
+            "SELECT gpu_index, util_pct, temp_c, mem_used_bytes, mem_total_bytes FROM gpu WHERE rank_id=? "
+            "ORDER BY ts DESC LIMIT ?",
+            (rank.rank_id, last_n * 8),
+        ).fetchall()[::-1]
         for idx, util, temp, used, total in gpu_rows:
             if idx is None:
                 continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 3
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -203,32 +203,8 @@ def _v3() -> list[str]:
     ]
 
 
-# ---------------------------------------------- v4: host samples by time slice
-# process (every rank), system and gpu (each node's local rank 0) get a row per flush.
-# Indexed (rank_id, ts), each rank appended to its own index page, so every commit
-# rewrote a page per sending rank for one small row each: at 4096 ranks that was about
-# 10 points of the daemon's 76% of a core (bench/ingest.py paced, measured with those
-# three indexes dropped: 66%). Indexed by (time slice, rank, ts), a commit's rows land in
-# the current slice's few hundred pages. Readers want a rank's newest samples: one seek
-# per recent slice for that rank (store/samples.py), in one query.
-SAMPLE_TABLES = ("process", "system", "gpu")
-SAMPLE_SLICE_S = 4
-# The indexed expression; a query must spell it exactly so for SQLite to use the index.
-SAMPLE_SLICE = f"CAST(ts / {SAMPLE_SLICE_S} AS INTEGER)"
-
-
-def _v4() -> list[str]:
-    out: list[str] = []
-    for table in SAMPLE_TABLES:
-        out += [
-            f"DROP INDEX IF EXISTS {table}_by_rank",
-            f"CREATE INDEX IF NOT EXISTS {table}_by_slice ON {table} ({SAMPLE_SLICE}, rank_id, ts)",
-        ]
-    return out
-
-
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

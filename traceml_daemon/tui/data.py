@@ -41,7 +41,7 @@ from typing import Any
 from traceml_daemon.analysis.model import PHASES, RankData, RankStatus, RunData, Verdict
 from traceml_daemon.analysis.nodes import node_views
 from traceml_daemon.counters import DAEMON_SOURCE
-from traceml_daemon.store import history, samples
+from traceml_daemon.store import history
 from traceml_daemon.store.reader import RunRef, delivery_counters, latest_run, load_systems, run_parallelism
 
 WINDOW = 32  # recent steps per rank kept in memory for medians and diagnosis
@@ -997,8 +997,11 @@ class TuiData:
         system: SystemLatest | None = None
         gpus: list[GpuLatest] = []
         for s in states:  # the host sampler runs on the node's local rank 0; find whoever sent rows
-            sys_rows = samples.newest(self.con, "system", "ts, cpu_pct, mem_used_bytes, mem_total_bytes, net_rx_bps, "
-                                      "net_tx_bps", s.rank_id, self.series_points)
+            sys_rows = self.con.execute(
+                "SELECT ts, cpu_pct, mem_used_bytes, mem_total_bytes, net_rx_bps, net_tx_bps FROM system "
+                "WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+                (s.rank_id, self.series_points),
+            ).fetchall()
             if sys_rows and system is None:
                 sys_rows.reverse()
                 lt = sys_rows[-1]
@@ -1012,8 +1015,11 @@ class TuiData:
                 )
             if not gpus:
                 seen: dict[int, GpuLatest] = {}
-                for g in samples.newest(self.con, "gpu", "gpu_index, util_pct, mem_used_bytes, mem_total_bytes, "
-                                        "temp_c, power_w", s.rank_id, 256):
+                for g in self.con.execute(
+                    "SELECT gpu_index, util_pct, mem_used_bytes, mem_total_bytes, temp_c, power_w FROM gpu "
+                    "WHERE rank_id=? ORDER BY ts DESC LIMIT 256",
+                    (s.rank_id,),
+                ):
                     if g[0] not in seen:
                         seen[g[0]] = GpuLatest(*g)
                 gpus = [seen[k] for k in sorted(seen)]
@@ -1030,8 +1036,10 @@ class TuiData:
         phase_series = {p: pb.series(i, 1e-6) for i, p in enumerate(PHASES)}
         mb = self._series(("mem", rid), "steps", ("peak_bytes", "reserved_bytes", "rss_bytes"), "rank_id=?", (rid,))
         memory = {name: mb.series(i) for i, name in enumerate(("peak", "reserved", "rss"))}
-        proc_rows = samples.newest(self.con, "process", "ts, cpu_pct, rss_bytes, gpu_mem_bytes, threads", rid,
-                                   self.series_points)
+        proc_rows = self.con.execute(
+            "SELECT ts, cpu_pct, rss_bytes, gpu_mem_bytes, threads FROM process WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+            (rid, self.series_points),
+        ).fetchall()
         process = None
         if proc_rows:
             proc_rows.reverse()

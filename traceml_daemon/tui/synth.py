@@ -203,9 +203,6 @@ def _delivery(spec: SynthSpec, rows_stored: int) -> list[tuple[str, str, int]]:
 
 def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
     n = min(spec.steps, 60)
-    # Host samples a second apart, the newest sent with the last flush (the status row's
-    # ts), as an agent's flush carries both: readers find a rank's samples from there.
-    t0 = T0 + spec.steps * 0.05 - (n - 1)
     scalars = []
     for g in range(world):
         for s in range(spec.steps):
@@ -216,7 +213,7 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
     _insert(
         con,
         "process",
-        [(g + 1, t0 + i, 50.0 + g, 3_000_000_000 + g, None, 12) for g in range(world) for i in range(n)],
+        [(g + 1, T0 + i, 50.0 + g, 3_000_000_000 + g, None, 12) for g in range(world) for i in range(n)],
     )
     sys_rows = []
     gpu_rows = []
@@ -226,10 +223,10 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
             # Node 1 lacks network counters: absent stays absent.
             net = None if node == 1 else 1e6
             cpu, used = (99.0, 250 * GiB) if node == spec.saturated_node else (40.0 + node * 10, 64 * GiB)
-            sys_rows.append((rid, t0 + i, cpu, used, 256 * GiB, net, net, None, None))
+            sys_rows.append((rid, T0 + i, cpu, used, 256 * GiB, net, net, None, None))
             for gi in range(spec.ranks_per_node):
                 power = None if gi == 1 else 250.0
-                gpu_rows.append((rid, t0 + i, gi, 90.0 - gi, 40 * 2**30, 80 * 2**30, 60.0 + gi, power))
+                gpu_rows.append((rid, T0 + i, gi, 90.0 - gi, 40 * 2**30, 80 * 2**30, 60.0 + gi, power))
     _insert(con, "system", sys_rows)
     _insert(con, "gpu", gpu_rows)
     _insert(
