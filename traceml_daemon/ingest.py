@@ -327,6 +327,9 @@ class Ingestor:
         # Every staged plan after it deduplicated against it, so all pending marks go.
         plan.high_water.clear()
         self.pending.clear()
+        # Its drops rows never reached the table: forget what was staged, so the resent
+        # batches store them (at worst one repeat per sender).
+        self._drops_stored.clear()
 
 def _row_major(chunks: list[tuple[int, list[Column]]]) -> tuple[list[Any], int]:
     """The parameters of every row of one table's batches, row-major (rank_id, then

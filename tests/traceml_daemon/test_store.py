@@ -153,6 +153,29 @@ def test_drops_rows_are_stored_when_a_counter_changes_not_when_it_repeats(tmp_pa
     assert reader.delivery_counters(reader.open_readonly(str(db)))["agent_steps_dropped"] == 2
 
 
+def test_a_failed_write_does_not_lose_the_drops_rows_of_its_resent_batches(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    migrate(str(db))
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("INSERT INTO meta VALUES ('fail', '1')")
+    # A real SQLite error inside the transaction while the flag is set.
+    conn.execute("CREATE TRIGGER fail_writes BEFORE INSERT ON drops WHEN (SELECT value FROM meta WHERE key='fail')='1' "
+                 "BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    body = encode_body({"drops": {"ts": [1.0], "source": ["steps_dropped"], "count": [4]}})
+
+    async def go() -> None:
+        writer = StoreWriter(str(db))
+        await writer.open()
+        assert not await writer.write([item(1, [[A0, 1, body]])])  # not stored, not acknowledged
+        conn.execute("UPDATE meta SET value='0' WHERE key='fail'")
+        assert await writer.write([item(1, [[A0, 1, body]])])  # the relay resends it
+        await writer.close()
+
+    asyncio.run(go())
+    assert conn.execute("SELECT source, count FROM drops").fetchall() == [("steps_dropped", 4)]
+    conn.close()
+
+
 def test_bad_body_is_counted_and_skipped_not_fatal(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
     writer = asyncio.run(write_all(db, [item(1, [[A0, 1, b"\xc1garbage"], [A1, 1, steps_body(0, 2)]])]))
