@@ -81,7 +81,11 @@ from traceml_wire import messages as m  # noqa: E402
 from traceml_wire.auth import hello_mac  # noqa: E402
 from traceml_wire.tables import columns, encode_body  # noqa: E402
 
-STEPS_PER_FLUSH = 10  # a rank doing 10 steps/s flushing once a second
+STEPS_PER_FLUSH = 10  # default: a rank doing 10 steps/s flushing once a second
+# Throughput cases: a 100 ms-step rank's flush, and a 0.3 ms-step rank's (issue 5's
+# fast loop). Which one a figure comes from matters: the daemon's cost is partly per
+# flush (decode, dedup, a ranks row, a process and a status row), partly per step row.
+THROUGHPUT_FLUSH_STEPS = (STEPS_PER_FLUSH, 3333)
 SQLITE_PROBE_ROWS = 500_000  # baseline rows measured before each case (and after a paced one)
 
 
@@ -121,11 +125,12 @@ class AgentMix:
 
     counters_every: int = COUNTERS_REFRESH_FLUSHES
     gpus_per_node: int = 8
+    steps_per_flush: int = STEPS_PER_FLUSH
 
     def describe(self) -> str:
         counters = "never" if not self.counters_every else (
             "every flush" if self.counters_every == 1 else f"every {self.counters_every} flushes")
-        return (f"per rank-flush: {STEPS_PER_FLUSH} step, 1 process, 1 status rows; {len(AGENT_COUNTERS)} counter "
+        return (f"per rank-flush: {self.steps_per_flush} steps, 1 process, 1 status rows; {len(AGENT_COUNTERS)} counter "
                 f"rows {counters}; local rank 0 also 1 system and {self.gpus_per_node} gpu rows")
 
 
@@ -134,14 +139,15 @@ class BodyMaker:
     measures (a real relay forwards bodies the agents packed, it never builds them)."""
 
     def __init__(self, rng: random.Random, mix: AgentMix) -> None:
-        rows = _step_rows(0, 0, _POOL, rng)
+        self.pool = max(_POOL, 2 * mix.steps_per_flush)
+        rows = _step_rows(0, 0, self.pool, rng)
         self.cols = {c: [r[c] for r in rows] for c in columns("steps")}
         self.at = 0
         self.mix = mix
 
     def body(self, first_step: int, n: int, flush: int, leader: bool) -> bytes:
         """Rank's ``flush``-th body (from 0) of ``n`` steps; ``leader``: its node's local rank 0."""
-        at = self.at = (self.at + n) % (_POOL - n)
+        at = self.at = (self.at + n) % (self.pool - n)
         now = time.time()
         steps = {c: v[at:at + n] for c, v in self.cols.items()}
         steps["step"] = list(range(first_step, first_step + n))
@@ -229,6 +235,7 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
             if msg["t"] == "ack":
                 acked = _on_ack(msg["seq"], acked, sent_at, latencies)
 
+    n = maker.mix.steps_per_flush
     deadline = time.monotonic() + seconds
     next_flush = time.monotonic()
     while time.monotonic() < deadline:
@@ -248,13 +255,13 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
         for r in ranks:
             agent_seq[r] += 1
             with lock:  # type: ignore[attr-defined]
-                body = maker.body(step[r], STEPS_PER_FLUSH, agent_seq[r] - 1, r % 8 == 0)
+                body = maker.body(step[r], n, agent_seq[r] - 1, r % 8 == 0)
                 items.append([f"bench/r{r}", agent_seq[r], body])
-            step[r] += STEPS_PER_FLUSH
+            step[r] += n
         seq += 1
         sock.sendall(encode_frame(m.relay_batch(seq, items, peers, {"node_rank": node}, {})))
         sent_at[seq] = time.monotonic()
-        rows += len(ranks) * STEPS_PER_FLUSH
+        rows += len(ranks) * n
     # drain the remaining acks so every counted row is stored
     drain_deadline = time.monotonic() + 120
     while acked < seq and time.monotonic() < drain_deadline:
@@ -273,8 +280,38 @@ def _on_ack(seq: int, acked: int, sent_at: dict[int, float], latencies: list[flo
     return max(acked, seq)
 
 
-def sqlite_baseline(total_rows: int, tmp: Path) -> float:
-    """Plain sqlite3 executemany of the same step rows into the same schema."""
+# Default throughput window: 64 rbatches of 8 ranks' 10-step flushes, enough to keep the
+# daemon busy while the run still drains in seconds; bigger flushes get fewer rbatches.
+WINDOW_ROWS = 5120
+BASELINE_MAX_ROWS = 1_000_000  # a throughput case's own rows, up to this many (memory)
+BASELINE_TXN_ROWS = 32_768  # rows per baseline transaction: past ~20k, bigger ones gain little
+
+
+def baseline_rows(total_rows: int, ranks: int, steps_per_flush: int) -> list[tuple]:
+    """The step rows of a case as the daemon receives them: flush after flush, every
+    rank's ``steps_per_flush`` consecutive steps together (rank ids 1..R, as the
+    daemon numbers them). The order matters for the ``(rank_id, step)`` index: rows
+    whose rank changes every row touch a different index page each and insert ~3x
+    slower than runs of one rank's steps, so a baseline in another order is a
+    different workload, not the same rows."""
+    rng = random.Random(0)
+    pool = [tuple(r[c] for c in columns("steps")) for r in _step_rows(0, 0, 4096, rng)]
+    out: list[tuple] = []
+    first_step = at = 0
+    while len(out) < total_rows:
+        for rank in range(1, ranks + 1):
+            for i in range(steps_per_flush):
+                values = pool[at]
+                at = (at + 1) % len(pool)
+                out.append((rank, first_step + i, *values[1:]))
+        first_step += steps_per_flush
+    del out[total_rows:]
+    return out
+
+
+def sqlite_baseline(total_rows: int, tmp: Path, ranks: int, steps_per_flush: int) -> float:
+    """Plain sqlite3 executemany of the same step rows into the same schema, in
+    transactions of ``BASELINE_TXN_ROWS`` rows."""
     db = tmp / "baseline.db"
     conn = sqlite3.connect(db)
     for pragma in PRAGMAS:
@@ -283,20 +320,15 @@ def sqlite_baseline(total_rows: int, tmp: Path) -> float:
         conn.execute(stmt)
     cols = ("rank_id",) + columns("steps")
     sql = f"INSERT INTO steps ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
-    rng = random.Random(0)
-    chunk = 64 * STEPS_PER_FLUSH * 8
-    batches = []
-    made = 0
-    while made < total_rows:
-        rows = _step_rows(0, made, min(chunk, total_rows - made), rng)
-        batches.append([(i % 4096,) + tuple(r[c] for c in columns("steps")) for i, r in enumerate(rows)])
-        made += len(rows)
+    rows = baseline_rows(total_rows, ranks, steps_per_flush)
+    batches = [rows[i:i + BASELINE_TXN_ROWS] for i in range(0, len(rows), BASELINE_TXN_ROWS)]
     start = time.perf_counter()
     for batch in batches:
         with conn:
             conn.executemany(sql, batch)
     elapsed = time.perf_counter() - start
     conn.close()
+    db.unlink()
     return total_rows / elapsed
 
 
@@ -321,8 +353,11 @@ def _policy_overrides(pairs: list[str]) -> dict[str, int | float]:
     return out
 
 
-def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rss_every: float = 10.0,
+def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int | None, rss_every: float = 10.0,
              policy: dict[str, int | float] | None = None, mix: AgentMix | None = None) -> dict:
+    mix = mix or AgentMix()
+    if window is None:
+        window = max(2, WINDOW_ROWS // (mix.steps_per_flush * max(1, ranks // relays)))
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -348,7 +383,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
     out: mp.Queue = ctx.Queue()
     per = [(i, list(range(i, ranks, relays))) for i in range(relays)]
     nproc = min(relays, 4)
-    workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out, mix or AgentMix()))
+    workers = [ctx.Process(target=relay_worker, args=(port, per[i::nproc], mode, seconds, window, out, mix))
                for i in range(nproc)]
     cpu0 = proc.cpu_times()
     threads0 = _thread_cpu(proc)
@@ -402,7 +437,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int, rs
     elapsed = end - start
     cpu_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
     return {
-        "ranks": ranks, "relays": relays, "mode": mode, "rows": rows, "seconds": elapsed,
+        "ranks": ranks, "relays": relays, "mode": mode, "rows": rows, "steps_per_flush": mix.steps_per_flush, "seconds": elapsed,
         "rows_per_s": rows / elapsed,
         "latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
         "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
@@ -445,8 +480,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="*", default=[64, 1024, 4096])
     p.add_argument("--seconds", type=float, default=8.0, help="sending time per case")
-    p.add_argument("--window", type=int, default=64,
-                   help="throughput mode: unacknowledged rbatches per relay at most (0: no cap, like the real relay)")
+    p.add_argument("--window", type=int, default=None,
+                   help="throughput mode: unacknowledged rbatches per relay at most (0: no cap, like the real relay; "
+                        f"default: {WINDOW_ROWS} step rows' worth, at least 2)")
     p.add_argument("--modes", nargs="*", default=["throughput", "paced"], choices=["throughput", "paced"])
     p.add_argument("--relays", type=int, default=None,
                    help="relays per case (default R/8; DESIGN.md's 4096-rank scenario is 64)")
@@ -460,34 +496,44 @@ def main() -> None:
                    help="flushes between an agent's loss-counter rows (default: the agent's refresh, "
                         f"{COUNTERS_REFRESH_FLUSHES}; 1: every flush, as agents sent them before; 0: never)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="gpu rows in each node leader's flush")
+    p.add_argument("--steps-per-flush", type=int, nargs="*", default=list(THROUGHPUT_FLUSH_STEPS),
+                   help="throughput mode: one case per value, the step rows in each agent flush (an agent "
+                        "flushes once a second, so its steps per second)")
+    p.add_argument("--paced-steps-per-flush", type=int, default=STEPS_PER_FLUSH,
+                   help="paced mode: step rows in each agent flush")
     p.add_argument("--versus-counters-every", type=int, default=None, metavar="N",
                    help="every case also runs, right before, with agents sending their counters every N flushes")
     args = p.parse_args()
     versus = _policy_overrides(args.versus)
-    mix = AgentMix(args.counters_every, args.gpus_per_node)
-    versus_mix = None if args.versus_counters_every is None else dataclasses.replace(
-        mix, counters_every=args.versus_counters_every)
-    versus_label = " ".join(filter(None, [f"{args.versus}" if versus else "",
-                                          versus_mix.describe() if versus_mix else ""]))
-    print(f"agents: {mix.describe()}", flush=True)
+    base_mix = AgentMix(args.counters_every, args.gpus_per_node)
+    cases = [("throughput", n) for n in args.steps_per_flush if "throughput" in args.modes]
+    cases += [("paced", args.paced_steps_per_flush)] if "paced" in args.modes else []
     figures: dict[str, float | None] = {}
     for ranks in args.ranks:
         relays = min(ranks, args.relays) if args.relays else max(1, ranks // 8)
-        for mode in args.modes:
-            before = _probe_baseline()
+        for mode, steps_per_flush in cases:
+            mix = dataclasses.replace(base_mix, steps_per_flush=steps_per_flush)
+            versus_mix = None if args.versus_counters_every is None else dataclasses.replace(
+                mix, counters_every=args.versus_counters_every)
+            versus_label = " ".join(filter(None, [f"{args.versus}" if versus else "",
+                                                  versus_mix.describe() if versus_mix else ""]))
+            print(f"agents: {mix.describe()}", flush=True)
+            before = _probe_baseline(ranks, mix.steps_per_flush)
             compare = bool(versus or versus_mix)
             if compare:
                 versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus or None,
                                        versus_mix or mix)
             r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, mix=mix)
             tag = f"r{ranks}_k{relays}_{mode}" if args.relays else f"r{ranks}_{mode}"
+            if steps_per_flush != STEPS_PER_FLUSH:
+                tag += f"_f{steps_per_flush}"
             if mode == "throughput":
                 if compare:
                     _throughput_report(ranks, relays, f"{tag}_versus", versus_case, before, figures,
                                        label=f" versus {versus_label}")
                 _throughput_report(ranks, relays, tag, r, before, figures)
             else:
-                base = max(before, _probe_baseline())
+                base = max(before, _probe_baseline(ranks, mix.steps_per_flush))
                 if compare:
                     _paced_report(ranks, relays, f"{tag}_versus", versus_case, base, figures,
                                   label=f"versus {versus_label}")
@@ -501,11 +547,11 @@ def main() -> None:
     print(json.dumps(figures))
 
 
-def _probe_baseline() -> float:
+def _probe_baseline(ranks: int, steps_per_flush: int) -> float:
     """The plain sqlite3 rate of ``SQLITE_PROBE_ROWS`` step rows, in a scratch directory."""
     probe_dir = Path(tempfile.mkdtemp(prefix="traceml-base-"))
     try:
-        return sqlite_baseline(SQLITE_PROBE_ROWS, probe_dir)
+        return sqlite_baseline(SQLITE_PROBE_ROWS, probe_dir, ranks, steps_per_flush)
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)
 
@@ -515,7 +561,8 @@ def _throughput_report(ranks: int, relays: int, tag: str, r: dict, before: float
     # The machine is shared: measure the baseline right before and right after the
     # case and divide by the faster, so a quiet moment for the baseline can only
     # lower the ratio, never flatter it.
-    base = max(before, sqlite_baseline(r["rows"], Path(r["tmp"])))
+    base = max(before, sqlite_baseline(min(r["rows"], BASELINE_MAX_ROWS), Path(r["tmp"]), ranks,
+                                           r["steps_per_flush"]))
     ratio = r["rows_per_s"] / base
     print(f"R={ranks:5d} K={relays:4d} throughput{label}: {r['rows_per_s']:,.0f} step rows/s stored end to end; "
           f"baseline plain sqlite3 executemany {base:,.0f} rows/s; ratio {ratio:.2f}; "

@@ -1,0 +1,48 @@
+"""bench/ingest.py: the plain sqlite3 baseline inserts the rows a case sends, in the
+order the daemon gets them (the ``(rank_id, step)`` index makes order a workload)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sqlite3
+import sys
+from pathlib import Path
+
+from traceml_wire.tables import columns, decode_body
+
+_SPEC = importlib.util.spec_from_file_location("bench_ingest", Path(__file__).parents[2] / "bench" / "ingest.py")
+assert _SPEC is not None and _SPEC.loader is not None
+bench_ingest = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_ingest"] = bench_ingest
+_SPEC.loader.exec_module(bench_ingest)
+
+
+def test_baseline_rows_come_flush_after_flush_each_rank_a_run_of_its_steps() -> None:
+    rows = bench_ingest.baseline_rows(total_rows=3 * 4 * 5 + 7, ranks=4, steps_per_flush=5)
+    assert len(rows) == 67
+    width = 1 + len(columns("steps"))
+    assert {len(r) for r in rows} == {width}
+    keys = [(r[0], r[1]) for r in rows]
+    # Round one: rank 1's steps 0-4, then rank 2's, ...; round two starts at step 5.
+    assert keys[:10] == [(1, s) for s in range(5)] + [(2, s) for s in range(5)]
+    assert keys[20:25] == [(1, s) for s in range(5, 10)]
+    assert len(set(keys)) == len(keys)  # no (rank, step) twice
+
+
+def test_a_simulated_flush_holds_the_steps_the_baseline_inserts_for_it() -> None:
+    mix = bench_ingest.AgentMix(steps_per_flush=300)
+    body = bench_ingest.BodyMaker(random.Random(0), mix).body(first_step=600, n=300, flush=2, leader=True)
+    steps = decode_body(body)["steps"]
+    assert list(steps["step"]) == list(range(600, 900))
+    assert set(steps) == set(columns("steps"))
+
+
+def test_baseline_rows_fit_the_schema_the_daemon_writes(tmp_path: Path) -> None:
+    rows = bench_ingest.baseline_rows(500, ranks=8, steps_per_flush=10)
+    conn = sqlite3.connect(tmp_path / "check.db")
+    for stmt in bench_ingest.MIGRATIONS[0]:
+        conn.execute(stmt)
+    cols = ("rank_id",) + columns("steps")
+    conn.executemany(f"INSERT INTO steps ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", rows)
+    assert conn.execute("SELECT count(*), count(DISTINCT rank_id), max(step) FROM steps").fetchone() == (500, 8, 69)
