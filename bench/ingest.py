@@ -11,25 +11,35 @@ after the rows are committed. Two modes per R:
 
 * ``throughput``: every relay sends as fast as its socket takes the bytes;
   reports stored step rows/s end to end and the send-to-stored latency (p50,
-  p99). The real relay (relay/upstream.py) does not wait for acks before
-  sending on; it keeps what is unacknowledged (up to 256 MiB) and is paced by
-  the daemon's backpressure (the bounded queue pauses reading, TCP then blocks
-  the relay's send). A bench relay keeps up to ``--window`` rbatches
-  unacknowledged (default 64: enough to keep the daemon saturated, so the rate
-  is the daemon's capacity, while the run still drains in seconds; 0 removes
-  the cap, and then every socket buffer fills and a 1024-rank case takes
-  minutes to drain). Latency at saturation is mostly time queued. A small
-  window measures the ack round trip instead: at R = 64, window 4 gave ~88k
-  rows/s at 23 ms p50, window 16 ~115k, 64 ~120k, no cap ~126-132k;
+  p99). One case per ``--steps-per-flush`` value (default 10 and 3333: a rank
+  at 100 ms steps and one at 0.3 ms steps, each flushing once a second): part
+  of the daemon's cost is per flush (unpacking a body, dedup, a ranks, process
+  and status row), part per step row, so the two bound the range. The real
+  relay (relay/upstream.py) does not wait for acks before sending on; it keeps
+  what is unacknowledged (up to 256 MiB) and is paced by the daemon's
+  backpressure (the bounded queue pauses reading, TCP then blocks the relay's
+  send). A bench relay keeps up to ``--window`` rbatches unacknowledged
+  (default: ``WINDOW_ROWS`` step rows' worth, at least 2: enough to keep the
+  daemon saturated, so the rate is the daemon's capacity, while the run still
+  drains in seconds; 0 removes the cap, and then every socket buffer fills and
+  a 1024-rank case takes minutes to drain). Latency at saturation is mostly
+  time queued. A small window measures the ack round trip instead;
 * ``paced``: every rank flushes once per second (the agent's default) for a
   while; reports the daemon's CPU (% of one core) and peak RSS.
 
 Baseline, same run, same rows: a plain ``sqlite3`` ``executemany`` of the
-same step rows into the same schema (one transaction per batch of rows, WAL).
-A paced case divides its step rate by that rate: the share of a core that just
-inserting its step rows takes, the floor under the daemon's CPU figure. Every
-case splits the daemon's CPU by thread: the event loop, the database thread and
-the rest. Their sum near 100% means the GIL, not the cores, is the limit.
+same step rows into the same schema (WAL, transactions of ``BASELINE_TXN_ROWS``
+rows), in the order the daemon gets them: flush after flush, each rank's steps
+together (``baseline_rows``). Order is part of the workload: the
+``(rank_id, step)`` index takes rows whose rank changes every row 1.4x slower
+than runs of one rank's steps in 32,768-row transactions, 2.5-3x slower in
+5,120-row ones. (Until 2026-11-26 the baseline did both: rank ids cycling over
+4096 every row, 5,120-row transactions, 130-170k rows/s against 450-530k for
+the rows the daemon gets, so the ratios it printed were flattered ~3x.) A paced case divides its step rate by that rate: the share of
+a core that just inserting its step rows takes, the floor under the daemon's
+CPU figure. Every case splits the daemon's CPU by thread: the event loop, the
+database thread and the rest. Their sum near 100% means the GIL, not the
+cores, is the limit.
 
     python bench/ingest.py                    # R = 64, 1024, 4096
     python bench/ingest.py --ranks 64 --seconds 5
@@ -284,7 +294,7 @@ def _on_ack(seq: int, acked: int, sent_at: dict[int, float], latencies: list[flo
 # daemon busy while the run still drains in seconds; bigger flushes get fewer rbatches.
 WINDOW_ROWS = 5120
 BASELINE_MAX_ROWS = 1_000_000  # a throughput case's own rows, up to this many (memory)
-BASELINE_TXN_ROWS = 32_768  # rows per baseline transaction: past ~20k, bigger ones gain little
+BASELINE_TXN_ROWS = 32_768  # rows per baseline transaction: 5,120 gave ~390k rows/s, 20,480 ~480k, 81,920 ~490k
 
 
 def baseline_rows(total_rows: int, ranks: int, steps_per_flush: int) -> list[tuple]:
