@@ -35,16 +35,40 @@ class UsageError(Exception):
     """A mistake the user can fix; printed without a traceback, exit 2."""
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
     p.add_argument("--db", default=DEFAULT_DB, help=f"SQLite database (default ./{DEFAULT_DB})")
     p.add_argument("--token-file", help="file holding the shared token (else $TRACEML_TOKEN)")
     p.add_argument("--tui", action="store_true", help="show the live terminal UI while serving")
-    p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES, help="largest frame accepted")
-    p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections before refusing")
-    p.add_argument("--hello-timeout", type=float, default=10.0, help="seconds a new peer has to authenticate")
-    p.add_argument("--queue-bytes", type=int, default=64 * 1024 * 1024, help="inbound bytes buffered before reads pause")
+    p.add_argument("--max-frame-bytes", type=_positive_int, default=DEFAULT_MAX_FRAME_BYTES,
+                   help="largest frame accepted")
+    p.add_argument("--max-connections", type=_positive_int, default=1024, help="concurrent connections before refusing")
+    p.add_argument("--hello-timeout", type=_positive_float, default=10.0, help="seconds a new peer has to authenticate")
+    p.add_argument("--queue-bytes", type=_positive_int, default=64 * 1024 * 1024,
+                   help="bytes queued for the writer (and in its transaction) before reads pause")
+    p.add_argument("--inbound-bytes", type=_positive_int, default=32 * 1024 * 1024,
+                   help="bytes of frames being read, all connections together, before reads pause")
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
@@ -120,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         hello_timeout=args.hello_timeout,
         queue_bytes=args.queue_bytes,
+        inbound_bytes=args.inbound_bytes,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_host=args.metrics_host,

@@ -23,7 +23,7 @@ from typing import Any
 from traceml_daemon.acks import AckWriter
 from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import Counters
-from traceml_daemon.inbound import ByteQueue, QueueClosed
+from traceml_daemon.inbound import ByteBudget, ByteQueue, QueueClosed
 from traceml_daemon.session import Batch, Closed, Event, Failed, Hello, PeerSession, Refused
 from traceml_daemon.store.retention import RetentionPolicy
 from traceml_daemon.store.writer import StoreWriter, WorkItem
@@ -32,7 +32,10 @@ from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MAX_HELL
 
 log = logging.getLogger("traceml_daemon.server")
 
-READ_CHUNK = 256 * 1024
+# A connection's stream buffer: the transport stops reading the socket once it holds
+# twice this. Kept small because there is one per connection (up to max_connections);
+# what a connection has read beyond it is under ``ServerConfig.inbound_bytes``.
+READ_BUFFER = 64 * 1024
 
 
 @dataclass
@@ -44,6 +47,8 @@ class ServerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_connections: int = 1024
     queue_bytes: int = 64 * 1024 * 1024
+    # Frames read but not yet queued, all connections together (inbound.ByteBudget).
+    inbound_bytes: int = 32 * 1024 * 1024
     hello_timeout: float = 10.0
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -120,6 +125,7 @@ class DaemonServer:
             retention=RetentionPolicy.from_flags(config.retention_days, config.max_db_mb),
         )
         self.queue: ByteQueue[WorkItem] = ByteQueue(config.queue_bytes)
+        self.inbound = ByteBudget(config.inbound_bytes)
         self._active = 0
         self._tg: asyncio.TaskGroup | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -180,7 +186,7 @@ class DaemonServer:
                 self._on_connect,
                 self.config.host,
                 self.config.port,
-                limit=READ_CHUNK,
+                limit=READ_BUFFER,
                 start_serving=False,
                 backlog=backlog,
             )
@@ -201,7 +207,8 @@ class DaemonServer:
             return None
 
         def sizes() -> dict[str, int]:
-            return {**self.writer.statistics(), "queue_bytes": self.queue.bytes_held, "conns": self._active}
+            return {**self.writer.statistics(), "queue_bytes": self.queue.bytes_held,
+                    "inbound_bytes": self.inbound.bytes_held, "conns": self._active}
 
         return tg.create_task(memdebug.report_forever(interval, sizes))
 
@@ -248,7 +255,7 @@ class DaemonServer:
             conn.close()
             return
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=READ_CHUNK, loop=loop)
+        reader = asyncio.StreamReader(limit=READ_BUFFER, loop=loop)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         self._handshaking += 1
         try:
@@ -316,13 +323,29 @@ class DaemonServer:
         if hello is None:
             return
         while True:
-            data = await reader.read(READ_CHUNK)
-            if not data:
+            # Frame by frame: its bytes are reserved before its body is read, so a
+            # daemon whose writer is behind stops reading sockets with a bounded
+            # amount in hand, however many peers are sending.
+            try:
+                header = await reader.readexactly(HEADER_BYTES)
+            except asyncio.IncompleteReadError:
                 log.info("disconnect %s (%s)", peer, hello.sender)
                 return
-            for event in self._receive(session, data):
-                if not await self._on_event(peer, session, hello, event, writer, acks):
+            declared = int.from_bytes(header, "big")
+            if declared > self.config.max_frame_bytes:
+                # Refused from the header alone, before a byte of the body is read.
+                for event in self._receive(session, header):
+                    await self._on_event(peer, session, hello, event, writer, acks)
+                return
+            async with self.inbound.hold(HEADER_BYTES + declared):
+                try:
+                    body = await reader.readexactly(declared)
+                except asyncio.IncompleteReadError:
+                    log.info("disconnect %s (%s) inside a frame", peer, hello.sender)
                     return
+                for event in self._receive(session, header + body):
+                    if not await self._on_event(peer, session, hello, event, writer, acks):
+                        return
 
     async def _await_hello(
         self,

@@ -59,3 +59,17 @@ def test_help_lists_every_subcommand() -> None:
     assert done.returncode == 0
     for name in ("serve", "summary", "ingest", "tui", "compare", "export", "demo"):
         assert name in done.stdout
+
+
+def test_byte_and_count_limits_must_be_positive(tmp_path: Path) -> None:
+    db = tmp_path / "run.db"
+    for flag, value, says in (
+        ("--queue-bytes", "0", "--queue-bytes: 0 must be at least 1"),
+        ("--inbound-bytes", "-5", "--inbound-bytes: -5 must be at least 1"),
+        ("--max-connections", "many", "--max-connections: 'many' is not a whole number"),
+        ("--hello-timeout", "0", "--hello-timeout: 0 must be above 0"),
+    ):
+        done = run_cli("serve", "--port", "0", "--db", str(db), flag, value)
+        assert done.returncode == 2, flag
+        assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not db.exists()
