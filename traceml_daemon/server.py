@@ -343,7 +343,11 @@ class DaemonServer:
                 except asyncio.IncompleteReadError:
                     log.info("disconnect %s (%s) inside a frame", peer, hello.sender)
                     return
-                for event in self._receive(session, header + body):
+                events = self._receive(session, header + body)
+                # The events hold what they need (a batch's bodies): the frame's own
+                # bytes must not stay alive, twice over, while the queue is full.
+                del body
+                for event in events:
                     if not await self._on_event(peer, session, hello, event, writer, acks):
                         return
 
