@@ -337,19 +337,42 @@ class DaemonServer:
                 for event in self._receive(session, header):
                     await self._on_event(peer, session, hello, event, writer, acks)
                 return
-            async with self.inbound.hold(HEADER_BYTES + declared):
-                try:
-                    body = await reader.readexactly(declared)
-                except asyncio.IncompleteReadError:
-                    log.info("disconnect %s (%s) inside a frame", peer, hello.sender)
-                    return
-                events = self._receive(session, header + body)
-                # The events hold what they need (a batch's bodies): the frame's own
-                # bytes must not stay alive, twice over, while the queue is full.
-                del body
-                for event in events:
-                    if not await self._on_event(peer, session, hello, event, writer, acks):
-                        return
+            if not await self._take_frame(peer, session, hello, header, declared, reader, writer, acks):
+                return
+
+    async def _take_frame(
+        self,
+        peer: str,
+        session: PeerSession,
+        hello: Hello,
+        header: bytes,
+        declared: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        acks: AckWriter,
+    ) -> bool:
+        """Read the body of the frame ``header`` announced, under the inbound budget, and
+        act on it; False once the connection must close.
+
+        A method of its own so that nothing of the frame outlives it: as locals of the
+        read loop, the last frame's bytes and decoded batch stayed alive while the
+        handler waited for its next frame and for budget, about a frame per connection
+        (bench/ingest.py R=4096 throughput, 512 relays of 2 MB rbatches: peak RSS 2.4 GB,
+        1.4 GB once the raw body was dropped early, 731 MB with this method)."""
+        async with self.inbound.hold(HEADER_BYTES + declared):
+            try:
+                body = await reader.readexactly(declared)
+            except asyncio.IncompleteReadError:
+                log.info("disconnect %s (%s) inside a frame", peer, hello.sender)
+                return False
+            events = self._receive(session, header + body)
+            # The events hold what they need (a batch's bodies): the frame's own
+            # bytes must not stay alive, twice over, while the queue is full.
+            del body
+            for event in events:
+                if not await self._on_event(peer, session, hello, event, writer, acks):
+                    return False
+        return True
 
     async def _await_hello(
         self,
