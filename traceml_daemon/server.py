@@ -337,7 +337,7 @@ class DaemonServer:
                 for event in self._receive(session, header):
                     await self._on_event(peer, session, hello, event, writer, acks)
                 return
-            if not await self._take_frame(peer, session, hello, header, declared, reader, writer, acks):
+            if not await self._take_frame(peer, session, hello, declared, reader, writer, acks):
                 return
 
     async def _take_frame(
@@ -345,14 +345,13 @@ class DaemonServer:
         peer: str,
         session: PeerSession,
         hello: Hello,
-        header: bytes,
         declared: int,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         acks: AckWriter,
     ) -> bool:
-        """Read the body of the frame ``header`` announced, under the inbound budget, and
-        act on it; False once the connection must close.
+        """Read the body of a frame of ``declared`` bytes (its header read) under the
+        inbound budget, and act on it; False once the connection must close.
 
         A method of its own so that nothing of the frame outlives it: as locals of the
         read loop, the last frame's bytes and decoded batch stayed alive while the
@@ -365,9 +364,9 @@ class DaemonServer:
             except asyncio.IncompleteReadError:
                 log.info("disconnect %s (%s) inside a frame", peer, hello.sender)
                 return False
-            events = self._receive(session, header + body)
+            events = self._receive(session, body, whole_frame=True)
             # The events hold what they need (a batch's bodies): the frame's own
-            # bytes must not stay alive, twice over, while the queue is full.
+            # bytes must not stay alive beside them while the queue is full.
             del body
             for event in events:
                 if not await self._on_event(peer, session, hello, event, writer, acks):
@@ -389,10 +388,10 @@ class DaemonServer:
         accepted peer sends right after its hello meet the full cap, not this one.
         """
         while True:
-            frame = await self._read_pre_hello_frame(peer, session, reader, writer)
-            if frame is None:
+            body = await self._read_pre_hello_frame(peer, session, reader, writer)
+            if body is None:
                 return None
-            for event in self._receive(session, frame):
+            for event in self._receive(session, body, whole_frame=True):
                 if isinstance(event, Hello):
                     await self._on_hello(peer, session, event, writer)
                     return event
@@ -402,14 +401,14 @@ class DaemonServer:
     async def _read_pre_hello_frame(
         self, peer: str, session: PeerSession, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bytes | None:
-        """One whole frame, header included; None at EOF or when it is over the pre-hello cap."""
+        """One whole frame's body; None at EOF or when it is over the pre-hello cap."""
         # A hello-sized frame at most (traceml_wire); accepted peers get ``max_frame_bytes``.
         cap = min(MAX_HELLO_FRAME_BYTES, self.config.max_frame_bytes)
         try:
             header = await reader.readexactly(HEADER_BYTES)
             declared = int.from_bytes(header, "big")
             if declared <= cap:
-                return header + await reader.readexactly(declared)
+                return await reader.readexactly(declared)
         except asyncio.IncompleteReadError:
             log.info("disconnect %s (before hello)", peer)
             return None
@@ -424,9 +423,11 @@ class DaemonServer:
             await writer.drain()
         return None
 
-    def _receive(self, session: PeerSession, data: bytes) -> list[Event]:
+    def _receive(self, session: PeerSession, data: bytes, *, whole_frame: bool = False) -> list[Event]:
+        """``data`` through the session (``whole_frame``: one frame's body, already split
+        from the stream), counting the frames received."""
         before = session.frames_received
-        events = session.receive(data)
+        events = session.receive_frame(data) if whole_frame else session.receive(data)
         self.counters.frames_received += session.frames_received - before
         return events
 

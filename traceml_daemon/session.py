@@ -13,6 +13,7 @@ be tested without sockets.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,20 @@ class PeerSession:
         except ProtocolError as exc:
             self.state = State.CLOSED
             return [Failed(str(exc))]
+        return self._on_frames(bodies)
+
+    def receive_frame(self, body: bytes) -> list[Event]:
+        """Like ``receive`` for one whole frame body the caller already split from the
+        stream (the daemon reads frame by frame to reserve each one's bytes first):
+        the body is not copied through the decoder again."""
+        if self.state is State.CLOSED:
+            return []
+        if len(body) > self.max_frame_bytes:
+            self.state = State.CLOSED
+            return [Failed(str(FrameTooLarge(len(body), self.max_frame_bytes)), oversize=True)]
+        return self._on_frames((body,))
+
+    def _on_frames(self, bodies: Iterable[bytes]) -> list[Event]:
         events: list[Event] = []
         for body in bodies:
             self.frames_received += 1

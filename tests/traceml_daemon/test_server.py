@@ -19,7 +19,7 @@ from tests.traceml_daemon.wire_client import (
 )
 from traceml_daemon.session import Batch, Failed, Hello, PeerSession, Refused, State
 from traceml_wire import auth, messages
-from traceml_wire.framing import encode_frame
+from traceml_wire.framing import HEADER_BYTES, encode_frame
 
 
 def test_ack_only_after_rows_are_committed_and_resend_is_deduplicated(tmp_path: Path) -> None:
@@ -167,6 +167,20 @@ def test_session_accepts_a_good_hello_then_batches_split_anywhere() -> None:
     assert isinstance(events[0], Hello) and events[0].identity == {"node_rank": 2}
     assert isinstance(events[1], Batch) and events[1].items == [[a0, 1, b"x"]] and events[1].stats == {"d": 1}
     assert session.state is State.OPEN
+
+
+def test_session_takes_whole_frame_bodies_as_it_takes_the_stream() -> None:
+    """``receive_frame``: the daemon's path, one body it split from the stream itself."""
+    a0 = agent_sender("s1", 0)
+    session = PeerSession("tok", max_frame_bytes=4096)
+    hello = _hello_frame(session, "tok")[HEADER_BYTES:]
+    rbatch = encode_frame(messages.relay_batch(1, [[a0, 1, b"x"]], {}, {}, {"d": 1}))[HEADER_BYTES:]
+    events = session.receive_frame(hello) + session.receive_frame(rbatch)
+    assert isinstance(events[0], Hello) and isinstance(events[1], Batch) and events[1].items == [[a0, 1, b"x"]]
+    assert session.frames_received == 2 and session.state is State.OPEN
+    over = session.receive_frame(b"\x80" * 4097)  # over the cap: refused like a stream's frame
+    assert len(over) == 1 and isinstance(over[0], Failed) and over[0].oversize
+    assert session.state is State.CLOSED and session.receive_frame(rbatch) == []
 
 
 def test_session_refuses_a_wrong_mac_and_ignores_what_follows() -> None:
