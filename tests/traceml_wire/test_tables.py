@@ -58,7 +58,7 @@ def test_ragged_columns_rejected() -> None:
 
 @pytest.mark.parametrize(
     "col,values",
-    [("step", [1.5]), ("step", ["1"]), ("step", [True]), ("value", ["x"]), ("value", [False]), ("name", [1]), ("name", [b"a"])],
+    [("step", [1.5]), ("step", ["1"]), ("value", ["x"]), ("name", [1]), ("name", [True]), ("name", [b"a"])],
 )
 def test_wrong_typed_columns_rejected(col: str, values: list[Any]) -> None:
     with pytest.raises(ProtocolError):
@@ -113,6 +113,19 @@ def test_integers_beyond_int64_rejected() -> None:
     assert edge["scalars"]["step"] == [2**63 - 1, -(2**63)]
 
 
+def test_an_int_column_takes_ints_bools_and_none_and_refuses_the_rest() -> None:
+    # A bool is the integer it is (Python's bool is an int; SQLite stores 0 and 1).
+    ok = decode_body(_pack({"tables": {"scalars": {"step": [True, False, 7, None], "name": ["a"] * 4,
+                                                   "value": [True, 0.5, 3, None]}}}))
+    assert ok["scalars"]["step"] == [1, 0, 7, None]
+    assert ok["scalars"]["value"] == [1, 0.5, 3, None]
+    for bad, kind in ((1.5, "float"), ("7", "str"), (b"7", "bytes"), ([1], "tuple")):
+        for cells in ([bad], [1, bad], [None, bad], [bad, None]):  # alone, after ints, among Nones
+            with pytest.raises(ProtocolError, match=f"holds a {kind}, expected int"):
+                decode_body(_pack({"tables": {"scalars": {"step": cells, "name": ["a"] * len(cells),
+                                                          "value": [0.5] * len(cells)}}}))
+
+
 _wide_int = st.integers(-(2**63), 2**64 - 1)
 _typed = {
     "int": st.none() | _wide_int | st.booleans(),
@@ -139,7 +152,7 @@ def _bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 def _reference(tables: dict[str, Any]) -> dict[str, dict[str, list[Any]]] | None:
     """What decode must return (None: a ProtocolError), from the rules stated in the module."""
-    allowed = {"int": (int, type(None)), "real": (int, float, type(None)), "text": (str, type(None))}
+    allowed = {"int": (int, bool, type(None)), "real": (int, float, bool, type(None)), "text": (str, type(None))}
     out: dict[str, dict[str, list[Any]]] = {}
     for name, table in tables.items():
         lengths = {len(v) for v in table.values()}
