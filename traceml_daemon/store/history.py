@@ -446,8 +446,8 @@ class Reservoir:
                 h = ((h ^ (h >> 30)) * _MIX1) & _M64
                 h = ((h ^ (h >> 27)) * _MIX2) & _M64
                 slot = (h ^ (h >> 31)) % k
-                at = take - start
-                rows[(rank_id, slot)] = (rank_id, slot, *[column[at] for column in columns])
+                # Only the drawn point is made a row (a 3333-step batch has a handful of draws).
+                rows[(rank_id, slot)] = (rank_id, slot, *map(itemgetter(take - start), columns))
                 w *= exp(log(((x >> 11) + 1) * _TO_UNIT) / k)
                 take += 1 if w >= 1.0 else int(log(((y >> 11) + 1) * _TO_UNIT) / log1p(-w)) + 1
             state.w, state.next_take = w, take
