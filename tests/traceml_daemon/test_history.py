@@ -9,10 +9,8 @@ import random
 import sqlite3
 from pathlib import Path
 
-import pytest
-
 from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
-from traceml_daemon.store import bucket_numpy, history
+from traceml_daemon.store import history
 from traceml_daemon.store.policy import IngestPolicy
 from traceml_daemon.store.schema import HISTORY_LEVELS, LATEST_SLOT, RESERVOIR_SIZE
 from traceml_daemon.store.writer import StoreWriter
@@ -196,11 +194,6 @@ def _reference_stats(cols: dict[str, list], rows: list[int]) -> history.Stats:
     return out
 
 
-# The history fold's two ways to compute fine buckets (its vector_rows): numpy for every
-# run of steps, or Python for every one.
-FOLD_PATHS = pytest.mark.parametrize("vector_min_rows", [1, 10**9], ids=["numpy", "python"])
-
-
 def _expected_deltas(by_rank: dict[int, dict[str, list]]) -> dict[tuple[int, int, int], history.Stats]:
     expected = {}
     for rank_id, cols in by_rank.items():
@@ -214,8 +207,7 @@ def _expected_deltas(by_rank: dict[int, dict[str, list]]) -> dict[tuple[int, int
     return expected
 
 
-@FOLD_PATHS
-def test_bucket_deltas_equal_a_naive_pass_in_any_order_with_gaps_and_nulls(vector_min_rows: int) -> None:
+def test_bucket_deltas_equal_a_naive_pass_in_any_order_with_gaps_and_nulls() -> None:
     rng = random.Random(3)
     by_rank = {}
     for rank_id, steps in {
@@ -233,7 +225,7 @@ def test_bucket_deltas_equal_a_naive_pass_in_any_order_with_gaps_and_nulls(vecto
         cols["wait_ns"] = [None] * n  # never measured
         by_rank[rank_id] = cols
     expected = _expected_deltas(by_rank)
-    assert history.bucket_deltas(by_rank, vector_min_rows) == expected
+    assert history.bucket_deltas(by_rank) == expected
     node_of = {1: ("s", 0, 0), 2: ("s", 0, 0), 3: ("s", 0, 1), 4: ("s", 0, 1), 5: None, 6: ("s", 0, 1)}
     nodes = history.node_deltas(expected, node_of.get)
     merged: dict[tuple, history.Stats] = {}
@@ -248,11 +240,9 @@ def test_bucket_deltas_equal_a_naive_pass_in_any_order_with_gaps_and_nulls(vecto
     assert nodes == merged
 
 
-@FOLD_PATHS
-def test_long_runs_fold_exactly_whatever_the_column_holds(monkeypatch: pytest.MonkeyPatch, vector_min_rows: int) -> None:
-    """Columns numpy must not take (values whose bucket sum leaves int64, floats in an
-    int column, Nones) give the exact figures on both paths; columns it takes (ints,
-    bools, reals mixed with ints) give the same figures as Python."""
+def test_long_runs_fold_exactly_whatever_the_column_holds() -> None:
+    """Bucket sums past int64, bools, floats sent in an int column, Nones and reals
+    mixed with ints: every figure equals the naive pass's."""
     rng = random.Random(11)
     n = 1000
     steps = list(range(100, 100 + n))
@@ -261,33 +251,18 @@ def test_long_runs_fold_exactly_whatever_the_column_holds(monkeypatch: pytest.Mo
         "step": steps,
         "ts": [rng.choice([rng.random(), rng.randint(0, 10**6)]) for _ in range(n)],  # REAL takes ints too
         "step_ns": [rng.randint(-(10**12), 10**12) for _ in range(n)],
-        "dataloader_ns": [rng.choice([True, False]) for _ in range(n)],  # bools sum as ints, as in Python
+        "dataloader_ns": [rng.choice([True, False]) for _ in range(n)],  # bools are the ints they are
         "h2d_ns": [None] * n,
         "forward_ns": [big + rng.randint(0, 10**6) for _ in range(n)],  # a bucket's sum leaves int64
-        "backward_ns": [rng.randint(0, 10**9) + 0.5 for _ in range(n)],  # numpy int64 would truncate these
+        "backward_ns": [rng.randint(0, 10**9) + 0.5 for _ in range(n)],
         "optimizer_ns": [None if i % 97 == 0 else i for i in range(n)],
         "wait_ns": [0] * n,
     }
     by_rank = {9: columns, 10: {**columns, "ts": [float(t) for t in columns["ts"]]}}
-    taken: list[bool] = []
-    int_quads = bucket_numpy.int_quads
-
-    def spy(*args: object) -> object:
-        quads = int_quads(*args)  # type: ignore[arg-type]
-        taken.append(quads is not None)
-        return quads
-
-    monkeypatch.setattr(bucket_numpy, "int_quads", spy)
     expected = _expected_deltas(by_rank)
-    got = history.bucket_deltas(by_rank, vector_min_rows)
+    got = history.bucket_deltas(by_rank)
     assert got == expected
-    # None stays None (numbers compare by value: bools are stored as the ints they are,
-    # and a REAL column stores an int maximum as a float)
     assert all((a is None) == (b is None) for key in expected for a, b in zip(got[key], expected[key], strict=True))
-    if vector_min_rows == 1:  # numpy took the plain int columns and refused the others
-        assert bucket_numpy.AVAILABLE and any(taken) and not all(taken)
-    else:
-        assert not taken
 
 
 def test_reservoir_sample_is_the_reference_algorithm_l() -> None:

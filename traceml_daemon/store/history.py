@@ -44,7 +44,6 @@ from typing import Any
 
 from traceml_daemon.analysis.nodes import by_node_with_worst
 from traceml_daemon.analysis.stats import max_or_none, min_or_none
-from traceml_daemon.store import bucket_numpy
 from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
 from traceml_wire.tables import PHASES
 
@@ -160,55 +159,13 @@ def _pick(cols: Columns, idx: slice | list[int] | None) -> Columns:
     return [[c[i] for i in idx] for c in cols]
 
 
-# From this many rows a rank's fine buckets are computed with numpy (bucket_numpy): below
-# it, converting the columns costs more than the Python passes it saves (a paced rank
-# sends ~10 steps a flush, a fast loop thousands). The writer's is IngestPolicy's.
-VECTOR_MIN_ROWS = 256
-# Values up to this magnitude cannot overflow an int64 sum over a fine bucket.
-_SUM_SAFE = (2**63 - 1) // HISTORY_LEVELS[0]
-
-
-def _vector_fine_stats(
-    cols: Columns, groups: list[tuple[int, slice | list[int] | None]]
-) -> list[tuple[int, Stats]] | None:
-    """``_stats_of`` of every fine bucket of steps in order (``groups`` of slices, or one
-    None for all rows), each column reduced over all buckets at once; a column numpy
-    cannot take exactly (a None, a bool, a huge value) takes the Python passes."""
-    steps, ts, *metrics = cols
-    n = len(steps)
-    starts = [0 if idx is None else idx.start for _, idx in groups]
-    ends = [*starts[1:], n]
-    spans = list(zip(starts, ends, strict=True))
-    last_ts = bucket_numpy.real_maxima(ts, starts)
-    if last_ts is None:
-        last_ts = [max_or_none(ts[a:b]) for a, b in spans]
-    per_metric: list[list[Any]] = []
-    for values in metrics:
-        quads: list[Any] | None = bucket_numpy.int_quads(values, starts, _SUM_SAFE)
-        if quads is None:
-            if values.count(None) == n:  # not measured at all (h2d on CPU): the common miss
-                quads = [(0, None, None, 0)] * len(spans)
-            else:
-                flat = _metric_stats([values[a:b] for a, b in spans])
-                quads = [flat[i:i + 4] for i in range(0, len(flat), 4)]
-        per_metric.append(quads)
-    # Steps are in order here: a bucket's first and last rows hold its min and max step.
-    return [
-        (bucket, [b - a, steps[a], steps[b - 1], t, *_chain(quads)])
-        for (bucket, _), (a, b), t, *quads in zip(groups, spans, last_ts, *per_metric, strict=True)
-    ]
-
-
-def add_rank_deltas(
-    rank_id: int, cols: Columns, out: dict[tuple[int, int, int], Stats], vector_rows: int = VECTOR_MIN_ROWS
-) -> None:
+def add_rank_deltas(rank_id: int, cols: Columns, out: dict[tuple[int, int, int], Stats]) -> None:
     """Add what one rank's columns (``HISTORY_COLUMNS`` order) add to every level to ``out``.
 
     Only the finest level is computed from rows, per bucket; a coarser level whose
     bucket holds all of the rank's rows (the usual case: a write carries a few dozen
     steps per rank) takes the merged stats of the finest buckets, merged once;
     otherwise each of its buckets merges the finest buckets it holds (the levels nest).
-    From ``vector_rows`` rows in step order the finest buckets are computed with numpy.
     """
     steps = cols[0]
     if None in steps:
@@ -218,12 +175,7 @@ def add_rank_deltas(
     if not steps:
         return
     fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
-    groups = _fine_groups(steps, fine)
-    fine_stats = None
-    if len(steps) >= vector_rows and bucket_numpy.AVAILABLE and not isinstance(groups[0][1], list):
-        fine_stats = _vector_fine_stats(cols, groups)
-    if fine_stats is None:
-        fine_stats = [(bucket, _stats_of(_pick(cols, idx))) for bucket, idx in groups]
+    fine_stats = [(bucket, _stats_of(_pick(cols, idx))) for bucket, idx in _fine_groups(steps, fine)]
     for bucket, stats in fine_stats:
         out[(rank_id, fine, bucket)] = stats
     lo, hi = fine_stats[0][0] * fine, fine_stats[-1][0] * fine
@@ -250,13 +202,11 @@ def history_columns(cols: dict[str, Sequence[Any]]) -> Columns:
     return [cols[name] for name in HISTORY_COLUMNS]
 
 
-def bucket_deltas(
-    steps_by_rank: dict[int, dict[str, Sequence[Any]]], vector_rows: int = VECTOR_MIN_ROWS
-) -> dict[tuple[int, int, int], Stats]:
+def bucket_deltas(steps_by_rank: dict[int, dict[str, Sequence[Any]]]) -> dict[tuple[int, int, int], Stats]:
     """What these steps add to every (rank_id, level, bucket): ``add_rank_deltas`` per rank."""
     out: dict[tuple[int, int, int], Stats] = {}
     for rank_id, cols in steps_by_rank.items():
-        add_rank_deltas(rank_id, history_columns(cols), out, vector_rows)
+        add_rank_deltas(rank_id, history_columns(cols), out)
     return out
 
 

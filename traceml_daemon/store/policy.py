@@ -46,12 +46,6 @@ class IngestPolicy:
     # minute). The backlog holds the decoded batches the live aggregates hold anyway
     # (each rank's until it has 64 rows, aggregates.FOLD_ROWS), so this adds little memory.
     history_backlog_rows_per_rank: int = 64
-    # A rank's steps folded at once from this many rows on are reduced with numpy
-    # (store/bucket_numpy.py), below it in Python, where converting the columns costs
-    # more than it saves. R=64 ranks at 3333 steps a flush (bench/ingest.py): the fold
-    # went from 39% to 27% of the database thread's samples (py-spy), and a fold alone
-    # from ~500 to ~300 ns a row.
-    history_vector_rows: int = 256
     # After each history write, hand the heap's free pages back to the system
     # (glibc malloc_trim). A history write's fold and parameters are tens of MB of
     # short-lived allocations; freed, they stay in malloc's arenas as fragments and

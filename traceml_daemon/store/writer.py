@@ -407,9 +407,8 @@ class StoreWriter:
         pending = self.pending_history
         deltas: dict[tuple[int, int, int], history.Stats] = {}
         offer = self.reservoir.offer_columns
-        vector_rows = self.policy.history_vector_rows
         for rank_id, cols in columns_by_rank:
-            history.add_rank_deltas(rank_id, cols, deltas, vector_rows)
+            history.add_rank_deltas(rank_id, cols, deltas)
             offer(rank_id, cols, pending.reservoir)
 
         def node_of(rank_id: int) -> history.NodeKey | None:
