@@ -128,13 +128,6 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     "drops": (("ts", REAL), ("source", TEXT), ("count", INT)),
 }
 
-_PY_TYPES: dict[str, tuple[type, ...]] = {
-    INT: (int,),
-    REAL: (float, int),
-    TEXT: (str,),
-}
-
-
 _EXACT_TYPES: dict[str, frozenset[type]] = {
     INT: frozenset({int, bool, type(None)}),
     REAL: frozenset({float, int, bool, type(None)}),
