@@ -232,10 +232,11 @@ def decode_columns(body: bytes) -> dict[str, list[Column]]:
     sequences (tuples as decoded; lists where a missing column was filled with None).
 
     Fast path: every known column of every known table present, one length per
-    table, each INT column's types and int64 range checked by one C-level conversion,
-    and the types of all the body's REAL and TEXT cells in one C-level pass per kind,
-    never per value in Python. Anything else takes ``_exact``, which raises the first problem in
-    table and column order, exactly as the column-by-column check always did.
+    table, each INT column's types and int64 range checked by one C-level
+    conversion, and the types of all the body's REAL and TEXT cells in one
+    C-level pass per kind, never per value in Python. Anything else takes
+    ``_exact``, which raises the first problem in table and column order,
+    exactly as the column-by-column check always did.
     """
     tables = _unpack_tables(body)
     out: dict[str, list[Column]] = {}
