@@ -19,6 +19,7 @@ from urllib.parse import quote
 from traceml_daemon.analysis.compare import compare_runs, format_compare, scalar_key
 from traceml_daemon.analysis.model import PHASES, RankData, RunData
 from traceml_daemon.gc_pause import gc_paused
+from traceml_daemon.store.schema import RANK_GROUP
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -92,9 +93,11 @@ def _load(con: sqlite3.Connection, path: str) -> tuple[RunData, Scalars]:
     cols = ", ".join(f"s.{c}" for c in _STEP_COLS)
     last: tuple[int, int] | None = None
     # ORDER BY model_id: with two traced models, the first one's row stands for the step.
+    # The rest of the order is the steps index's (rank group, step, rank), so no sort of
+    # the whole run: each rank's steps still arrive in step order, its duplicates together.
     for row in con.execute(
         f"SELECT s.rank_id, {cols} FROM steps s JOIN ranks r ON r.rank_id = s.rank_id "
-        "WHERE r.session = ? AND r.attempt = ? ORDER BY s.rank_id, s.step, s.model_id",
+        f"WHERE r.session = ? AND r.attempt = ? ORDER BY s.rank_id / {RANK_GROUP}, s.step, s.rank_id, s.model_id",
         (session, attempt),
     ):
         rank_id, values = row[0], dict(zip(_STEP_COLS, row[1:], strict=True))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from traceml_daemon import __version__
+from traceml_daemon.store.schema import rank_is, ranks_in
 from traceml_wire.tables import PHASES
 
 FORMATS = ("chrome", "csv")
@@ -186,7 +187,7 @@ def write_csv(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, out:
         writer = csv.writer(fh)
         writer.writerow(CSV_COLUMNS)
         for rank in ranks:
-            cur = con.execute(f"SELECT {cols} FROM steps WHERE rank_id = ?{where} ORDER BY step, ts",
+            cur = con.execute(f"SELECT {cols} FROM steps WHERE {rank_is('?1')}{where} ORDER BY step, ts",
                               (rank.rank_id, *params))
             for row in cur:
                 step, ts, step_ns, *rest = row
@@ -217,11 +218,11 @@ def _base_ts(con: sqlite3.Connection, ranks: list[Rank]) -> float:
     ids = [r.rank_id for r in ranks]
     if not ids:
         return 0.0
-    marks = ",".join("?" * len(ids))
+    these = ranks_in(len(ids))
     row = con.execute(
-        f"SELECT MIN(ts - COALESCE(step_ns, 0) / 1e9 - COALESCE(dataloader_ns, 0) / 1e9) FROM steps WHERE rank_id IN ({marks})",
+        f"SELECT MIN(ts - COALESCE(step_ns, 0) / 1e9 - COALESCE(dataloader_ns, 0) / 1e9) FROM steps WHERE {these}",
         ids).fetchone()
-    span = con.execute(f"SELECT MIN(start_ns) FROM spans WHERE rank_id IN ({marks})", ids).fetchone()
+    span = con.execute(f"SELECT MIN(start_ns) FROM spans WHERE {these}", ids).fetchone()
     candidates = [v for v in (row[0], None if span[0] is None else span[0] / 1e9) if v is not None]
     return float(int(min(candidates))) if candidates else 0.0
 
@@ -233,7 +234,7 @@ def step_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
     cols = ", ".join(["step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES), "comm_ns", "peak_bytes", "rss_bytes"])
     events: list[dict[str, Any]] = []
     prev_end: float | None = None
-    for row in con.execute(f"SELECT {cols} FROM steps WHERE rank_id = ?{where} ORDER BY ts, step",
+    for row in con.execute(f"SELECT {cols} FROM steps WHERE {rank_is('?1')}{where} ORDER BY ts, step",
                            (rank.rank_id, *params)):
         step, ts, step_ns, *rest = row
         phases = dict(zip(PHASES, rest[: len(PHASES)], strict=True))
@@ -280,7 +281,7 @@ def span_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
     pid = rank.rank_id
     events: list[dict[str, Any]] = []
     for name, start_ns, dur_ns, step, raw_args in con.execute(
-            "SELECT name, start_ns, dur_ns, step, args FROM spans WHERE rank_id = ? ORDER BY start_ns",
+            f"SELECT name, start_ns, dur_ns, step, args FROM spans WHERE {rank_is('?1')} ORDER BY start_ns",
             (rank.rank_id,)):
         if start_ns is None:
             continue

@@ -27,6 +27,7 @@ from traceml_daemon.aggregates import Aggregates, RankSnapshot
 from traceml_daemon.counters import Counters
 from traceml_daemon.metrics import GpuMetrics, MetricsSnapshot, NodeMetrics, RankMetrics, VerdictMetric
 from traceml_daemon.store import reader
+from traceml_daemon.store.schema import rank_is
 
 log = logging.getLogger("traceml_daemon.metrics")
 
@@ -57,9 +58,9 @@ def _label(value: int | None) -> str:
 
 
 def _latest_system(conn: sqlite3.Connection, rank_id: int) -> tuple[Any, ...] | None:
-    # (rank_id, ts) index: one seek, whatever the length of the run.
+    # The system index: one seek, whatever the length of the run.
     return conn.execute(
-        "SELECT ts, cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE rank_id=? ORDER BY ts DESC LIMIT 1",
+        f"SELECT ts, cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT 1",
         (rank_id,),
     ).fetchone()
 
@@ -67,7 +68,7 @@ def _latest_system(conn: sqlite3.Connection, rank_id: int) -> tuple[Any, ...] | 
 def _latest_gpus(conn: sqlite3.Connection, rank_id: int) -> list[GpuMetrics]:
     rows = conn.execute(
         "SELECT gpu_index, util_pct, mem_used_bytes, mem_total_bytes, temp_c, power_w FROM gpu "
-        "WHERE rank_id=? ORDER BY ts DESC LIMIT 64",
+        f"WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT 64",
         (rank_id,),
     ).fetchall()
     latest: dict[int, GpuMetrics] = {}

@@ -1,6 +1,7 @@
 """Older databases migrate forward: a v1 database (no history tables) gets its
 history backfilled from raw steps, a v2 database keeps every history row under
-the v3 keys, and the writer carries on where it stopped."""
+the v3 keys, a v3 database trades its per-rank indexes for per-group ones (v4),
+and the writer carries on where it stopped."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from pathlib import Path
 
 from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import HISTORY_LEVELS, LATEST_SLOT, MIGRATIONS, SCHEMA_VERSION
+from traceml_daemon.store.reader import latest_run, load_rank_data, load_ranks
+from traceml_daemon.store.schema import (
+    GROUPED_INDEXES,
+    HISTORY_LEVELS,
+    LATEST_SLOT,
+    MIGRATIONS,
+    RANK_GROUP,
+    SCHEMA_VERSION,
+)
 from traceml_daemon.store.writer import StoreWriter
 
 
@@ -36,10 +45,10 @@ def _v1_database(db: Path) -> None:
 def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
-    assert SCHEMA_VERSION == 3
-    assert migrate(str(db)) == 3
+    assert SCHEMA_VERSION == 4
+    assert migrate(str(db)) == 4
     conn = ro(db)
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
     for level in HISTORY_LEVELS:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))
@@ -87,7 +96,7 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
     before = {t: _dump(conn, t) for t in ("rank_history", "node_history", "reservoir", "reservoir_state")}
     conn.close()
     assert all(before.values())
-    assert migrate(str(db)) == 3
+    assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
     assert {t: _dump(conn, t) for t in before} == before
     keys = {
@@ -107,4 +116,35 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
     assert [(r[1], [c[2] for c in conn.execute(f"PRAGMA index_info('{r[1]}')")]) for r in unique] == [
         ("status_one_per_rank", ["rank_id"])
     ]
+    conn.close()
+
+
+def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: Path) -> None:
+    db = tmp_path / "v3.db"
+    _v1_database(db)
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statements in MIGRATIONS[1:3]:  # what traceml-daemon 3 ran
+        for statement in statements:
+            conn.execute(statement)
+    conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+    conn.close()
+    conn = ro(db)
+    run = latest_run(conn)
+    assert run is not None
+    before = {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)}
+    steps_before = _dump(conn, "steps")
+    conn.close()
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    indexes = {name: table for name, table in conn.execute("SELECT name, tbl_name FROM sqlite_master WHERE type='index'")}
+    for table, order in GROUPED_INDEXES.items():
+        assert f"{table}_by_rank" not in indexes
+        assert indexes[f"{table}_by_group"] == table
+        columns = [row[2] for row in conn.execute(f"PRAGMA index_xinfo('{table}_by_group')") if row[5]]
+        # An expression column has no name: (rank_id / RANK_GROUP, *order, rank_id).
+        assert columns == [None, *order.split(", "), "rank_id"]
+    assert f"/ {RANK_GROUP}" in conn.execute("SELECT sql FROM sqlite_master WHERE name='steps_by_group'").fetchone()[0]
+    assert _dump(conn, "steps") == steps_before
+    assert {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)} == before
+    assert all(len(v) == 1500 for v in before.values())
     conn.close()

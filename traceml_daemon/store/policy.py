@@ -66,11 +66,12 @@ class IngestPolicy:
     # agents' identities in every rbatch); past this many senders the cache starts over.
     identity_cache_entries: int = 65_536
     # SQLite page cache of the writer's connection, KiB (SQLite's default is 2 MiB).
-    # With R ranks every commit appends to each sending rank's tail of the per-rank
-    # indexes (steps_by_rank, process_by_rank): once those tails sit on pages of their
-    # own (about 40 s into a 4096-rank run) the hot set is ~2 pages per rank, 32 MiB
-    # at 4096 ranks, and a 2 MiB cache re-reads most of them from the WAL on every
-    # commit. Counted in the daemon's RSS only as pages are touched.
+    # Every commit appends to each sending rank group's tail of the per-group indexes
+    # (steps_by_group, process_by_group, ...; schema v4): at 4096 ranks that is 512
+    # tails per index, a few MiB, and a 2 MiB cache re-reads most of them from the WAL
+    # on every commit. (Keyed per rank, before v4, the tails were ~2 pages per rank
+    # and index, more than this cache held, and the daemon's CPU climbed as they
+    # spread.) Counted in the daemon's RSS only as pages are touched.
     sqlite_cache_kib: int = 48 * 1024
     # Pages in the WAL before SQLite checkpoints it back into the database (SQLite's
     # default is 1000, 4 MiB). At tens of MB/s of commits the default checkpoints

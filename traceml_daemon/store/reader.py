@@ -21,7 +21,7 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
-from traceml_daemon.store.schema import SCHEMA_VERSION
+from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is
 
 
 class StoreError(RuntimeError):
@@ -116,11 +116,11 @@ def load_ranks(conn: sqlite3.Connection, run: RunRef) -> list[RankRow]:
 def run_bounds(conn: sqlite3.Connection, run: RunRef) -> tuple[float | None, float | None]:
     """(started_at, ended_at) wall clock: first and last step end, else first/last seen.
 
-    Each rank's first and last step through the (rank_id, step) index, two lookups
-    per rank: ``min(ts)`` over the run's rows read every row of a long run."""
+    Each rank's first and last step through the steps index, two lookups per rank:
+    ``min(ts)`` over the run's rows read every row of a long run."""
     ends = conn.execute(
-        "SELECT (SELECT ts FROM steps WHERE rank_id=r.rank_id ORDER BY step LIMIT 1), "
-        "(SELECT ts FROM steps WHERE rank_id=r.rank_id ORDER BY step DESC LIMIT 1) "
+        f"SELECT (SELECT ts FROM steps WHERE {rank_is('r.rank_id')} ORDER BY step LIMIT 1), "
+        f"(SELECT ts FROM steps WHERE {rank_is('r.rank_id')} ORDER BY step DESC LIMIT 1) "
         "FROM ranks r WHERE r.session=? AND r.attempt=?",
         (run.session, run.attempt),
     ).fetchall()
@@ -138,10 +138,10 @@ _STEP_COLS = ("step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES), "comm_ns", 
 def _rank_steps(conn: sqlite3.Connection, rank_id: int, last_n: int | None) -> list[tuple[Any, ...]]:
     cols = ", ".join(_STEP_COLS)
     if last_n is None:
-        return conn.execute(f"SELECT {cols} FROM steps WHERE rank_id=? ORDER BY step", (rank_id,)).fetchall()
-    # Newest N through the (rank_id, step) index, then back to oldest-first.
+        return conn.execute(f"SELECT {cols} FROM steps WHERE {rank_is('?1')} ORDER BY step", (rank_id,)).fetchall()
+    # Newest N through the steps index, then back to oldest-first.
     rows = conn.execute(
-        f"SELECT {cols} FROM steps WHERE rank_id=? ORDER BY step DESC LIMIT ?", (rank_id, last_n)
+        f"SELECT {cols} FROM steps WHERE {rank_is('?1')} ORDER BY step DESC LIMIT ?2", (rank_id, last_n)
     ).fetchall()
     rows.reverse()
     return rows
@@ -158,7 +158,7 @@ class StepCounts:
 
 def _step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
     total, first, last = conn.execute(
-        "SELECT count(*), min(step), max(step) FROM steps WHERE rank_id=?", (rank_id,)
+        f"SELECT count(*), min(step), max(step) FROM steps WHERE {rank_is('?1')}", (rank_id,)
     ).fetchone()
     return StepCounts(total, first, last)
 
@@ -174,24 +174,24 @@ def _sampled_steps(conn: sqlite3.Connection, rank_id: int, counts: StepCounts, c
     every = -(-counts.total // max(1, cap - tail))
     cols = ", ".join(_STEP_COLS)
     tail_from = conn.execute(
-        "SELECT step FROM steps WHERE rank_id=? ORDER BY step DESC LIMIT 1 OFFSET ?", (rank_id, tail - 1)
+        f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step DESC LIMIT 1 OFFSET ?2", (rank_id, tail - 1)
     ).fetchone()[0]
     if counts.last - counts.first + 1 == counts.total:
         # Contiguous step numbers (the usual case): thin by arithmetic on the index.
         return conn.execute(
-            f"SELECT {cols} FROM steps WHERE rank_id=? AND ((step - ?) % ? = 0 OR step >= ?) ORDER BY step",
+            f"SELECT {cols} FROM steps WHERE {rank_is('?1')} AND ((step - ?2) % ?3 = 0 OR step >= ?4) ORDER BY step",
             (rank_id, counts.first, every, tail_from),
         ).fetchall()
     # Gaps or a stride (e.g. one row per optimizer step of accumulated micro-steps), where
     # ``step % k`` could alias and select nothing: every k-th of the steps themselves,
     # read from the index, then fetched in chunks.
-    steps = [row[0] for row in conn.execute("SELECT step FROM steps WHERE rank_id=? ORDER BY step", (rank_id,))]
+    steps = [row[0] for row in conn.execute(f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step", (rank_id,))]
     chosen = sorted(set(steps[::every]) | {x for x in steps[-tail:]})
     rows: list[tuple[Any, ...]] = []
     for i in range(0, len(chosen), 500):
         part = chosen[i:i + 500]
         rows += conn.execute(
-            f"SELECT {cols} FROM steps WHERE rank_id=? AND step IN ({','.join('?' * len(part))}) ORDER BY step",
+            f"SELECT {cols} FROM steps WHERE {rank_is('?1')} AND step IN ({','.join('?' * len(part))}) ORDER BY step",
             (rank_id, *part),
         ).fetchall()
     return rows
@@ -249,7 +249,7 @@ def load_systems(conn: sqlite3.Connection, run: RunRef, last_n: int = 120) -> li
             continue
         node = out.setdefault(rank.node_rank, NodeSystem(node_rank=rank.node_rank, hostname=rank.hostname))
         rows = conn.execute(
-            "SELECT cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+            f"SELECT cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT ?2",
             (rank.rank_id, last_n),
         ).fetchall()[::-1]
         if rows:
@@ -257,8 +257,8 @@ def load_systems(conn: sqlite3.Connection, run: RunRef, last_n: int = 120) -> li
             node.mem_used_bytes = [r[1] for r in rows]
             node.mem_total_bytes = rows[-1][2]
         gpu_rows = conn.execute(
-            "SELECT gpu_index, util_pct, temp_c, mem_used_bytes, mem_total_bytes FROM gpu WHERE rank_id=? "
-            "ORDER BY ts DESC LIMIT ?",
+            f"SELECT gpu_index, util_pct, temp_c, mem_used_bytes, mem_total_bytes FROM gpu WHERE {rank_is('?1')} "
+            "ORDER BY ts DESC LIMIT ?2",
             (rank.rank_id, last_n * 8),
         ).fetchall()[::-1]
         for idx, util, temp, used, total in gpu_rows:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -203,8 +203,63 @@ def _v3() -> list[str]:
     ]
 
 
+# ------------------------------------------- v4: per-rank indexes keyed by rank group
+# Every flush of every rank appended to that rank's own tail of each per-rank index
+# (rank_id, step): once the tails sat on pages of their own (~40 s into a 4096-rank
+# run) each commit dirtied a page per rank and index, whole 4 KiB pages written to
+# the WAL and copied again at checkpoint for ~100 bytes of entries each: 66% of the
+# WAL's frames were steps_by_rank, 14% process_by_rank, 9% gpu_by_rank
+# (bench/walpages.py), ~100 MB/s of disk writes for ~4 MB/s of rows, and the hot
+# set (~2 pages per rank per index) outgrew the page cache, so the daemon's CPU
+# climbed through the run. Keyed (rank_id / RANK_GROUP, ..., rank_id), the ranks of
+# a group share one tail: a commit dirties a page per group. Reads of one rank walk
+# its group's entries (RANK_GROUP x as many, index only, filtered on rank_id before
+# any row is fetched); ``rank_is`` writes the terms that let SQLite use the index.
+
+RANK_GROUP = 8
+
+# Table -> the columns its per-rank reads order by (after the group, before rank_id).
+GROUPED_INDEXES = {
+    "steps": "step",
+    "scalars": "name, step",
+    "process": "ts",
+    "system": "ts",
+    "gpu": "ts",
+    "spans": "start_ns",
+    "layers": "step",
+}
+
+
+def rank_is(value: str, column: str = "rank_id") -> str:
+    """SQL terms selecting one rank's rows through its ``{table}_by_group`` index.
+
+    ``value`` is an SQL expression: ``"?1"`` (a numbered parameter, used twice) or
+    another table's column (``"r.rank_id"``). Both terms are needed: the group term is
+    what the index is searched by, and the unary ``+`` keeps SQLite from substituting
+    a constant ``value`` for ``column`` in it (constant propagation), which would turn
+    the search into a scan of the whole table."""
+    return f"{column} / {RANK_GROUP} = {value} / {RANK_GROUP} AND +{column} = {value}"
+
+
+def ranks_in(count: int, column: str = "rank_id") -> str:
+    """``rank_is`` for any of ``count`` ranks, given as parameters ?1 .. ?count."""
+    marks = range(1, count + 1)
+    groups = ", ".join(f"?{i} / {RANK_GROUP}" for i in marks)
+    return f"{column} / {RANK_GROUP} IN ({groups}) AND +{column} IN ({', '.join(f'?{i}' for i in marks)})"
+
+
+def _v4() -> list[str]:
+    out: list[str] = []
+    for table, order in GROUPED_INDEXES.items():
+        out += [
+            f"DROP INDEX IF EXISTS {table}_by_rank",
+            f"CREATE INDEX {table}_by_group ON {table} (rank_id / {RANK_GROUP}, {order}, rank_id)",
+        ]
+    return out
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

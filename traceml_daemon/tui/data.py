@@ -4,7 +4,7 @@ Opens the database with ``file:PATH?mode=ro`` so it never blocks the daemon's
 writer (WAL) and works the same on a finished run. Every query is bounded:
 
 * per-rank windows of the most recent ``window`` steps are loaded once through
-  the ``(rank_id, step)`` index and then extended incrementally by ``rowid``
+  the steps index (``schema.rank_is``) and then extended incrementally by ``rowid``
   (rows are only ever appended, so ``rowid > last`` is exactly "what is new");
 * series are aggregated in SQL (``GROUP BY step / bucket``) into power-of-two
   buckets that are cached and merged pairwise, so a refresh only aggregates the
@@ -43,6 +43,7 @@ from traceml_daemon.analysis.nodes import node_views
 from traceml_daemon.counters import DAEMON_SOURCE
 from traceml_daemon.store import history
 from traceml_daemon.store.reader import RunRef, delivery_counters, latest_run, load_systems, run_parallelism
+from traceml_daemon.store.schema import rank_is
 
 WINDOW = 32  # recent steps per rank kept in memory for medians and diagnosis
 SERIES_POINTS = 120  # default W for downsampled series
@@ -431,11 +432,11 @@ def current_run(con: sqlite3.Connection) -> tuple[str, int] | None:
 def read_bounds(con: sqlite3.Connection, run: tuple[str, int], after: int = 0) -> Iterator[tuple[int, Any, Any]]:
     """(rank_id, first step, last step) of every rank of ``run`` with rank_id > ``after``.
 
-    One statement: each correlated MIN/MAX is a single seek of the (rank_id, step) index.
+    One statement: each correlated MIN/MAX is a seek of the steps index.
     """
     return con.execute(
-        "SELECT r.rank_id, (SELECT MIN(step) FROM steps s WHERE s.rank_id=r.rank_id), "
-        "(SELECT MAX(step) FROM steps s WHERE s.rank_id=r.rank_id) "
+        f"SELECT r.rank_id, (SELECT MIN(step) FROM steps s WHERE {rank_is('r.rank_id', 's.rank_id')}), "
+        f"(SELECT MAX(step) FROM steps s WHERE {rank_is('r.rank_id', 's.rank_id')}) "
         f"FROM ranks r WHERE {_RUN_RANKS}",
         (*run, after),
     )
@@ -452,8 +453,8 @@ def read_windows(
     cols = ", ".join(f"s.{c}" for c in _STEP_COLS)
     return con.execute(
         f"SELECT s.rank_id, {cols} FROM ranks r CROSS JOIN steps s "
-        f"WHERE {_RUN_RANKS} AND s.rank_id=r.rank_id "
-        "AND s.step > (SELECT MAX(step) FROM steps m WHERE m.rank_id=r.rank_id) - ?",
+        f"WHERE {_RUN_RANKS} AND {rank_is('r.rank_id', 's.rank_id')} "
+        f"AND s.step > (SELECT MAX(step) FROM steps m WHERE {rank_is('r.rank_id', 'm.rank_id')}) - ?",
         (*run, after, window),
     )
 
@@ -900,7 +901,7 @@ class TuiData:
         return b
 
     def step_series(self, rank_id: int) -> Series:
-        return self._series(("steps", rank_id), "steps", ("step_ns",), "rank_id=?", (rank_id,)).series(0, 1e-6)
+        return self._series(("steps", rank_id), "steps", ("step_ns",), rank_is("?1"), (rank_id,)).series(0, 1e-6)
 
     # ---- whole-run history (v2)
 
@@ -999,7 +1000,7 @@ class TuiData:
         for s in states:  # the host sampler runs on the node's local rank 0; find whoever sent rows
             sys_rows = self.con.execute(
                 "SELECT ts, cpu_pct, mem_used_bytes, mem_total_bytes, net_rx_bps, net_tx_bps FROM system "
-                "WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+                f"WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT ?2",
                 (s.rank_id, self.series_points),
             ).fetchall()
             if sys_rows and system is None:
@@ -1017,7 +1018,7 @@ class TuiData:
                 seen: dict[int, GpuLatest] = {}
                 for g in self.con.execute(
                     "SELECT gpu_index, util_pct, mem_used_bytes, mem_total_bytes, temp_c, power_w FROM gpu "
-                    "WHERE rank_id=? ORDER BY ts DESC LIMIT 256",
+                    f"WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT 256",
                     (s.rank_id,),
                 ):
                     if g[0] not in seen:
@@ -1032,12 +1033,13 @@ class TuiData:
             return None
         rid = st.rank_id
         phase_cols = [f"{p}_ns" for p in PHASES]
-        pb = self._series(("phases", rid), "steps", phase_cols, "rank_id=?", (rid,))
+        pb = self._series(("phases", rid), "steps", phase_cols, rank_is("?1"), (rid,))
         phase_series = {p: pb.series(i, 1e-6) for i, p in enumerate(PHASES)}
-        mb = self._series(("mem", rid), "steps", ("peak_bytes", "reserved_bytes", "rss_bytes"), "rank_id=?", (rid,))
+        mb = self._series(("mem", rid), "steps", ("peak_bytes", "reserved_bytes", "rss_bytes"), rank_is("?1"), (rid,))
         memory = {name: mb.series(i) for i, name in enumerate(("peak", "reserved", "rss"))}
         proc_rows = self.con.execute(
-            "SELECT ts, cpu_pct, rss_bytes, gpu_mem_bytes, threads FROM process WHERE rank_id=? ORDER BY ts DESC LIMIT ?",
+            f"SELECT ts, cpu_pct, rss_bytes, gpu_mem_bytes, threads FROM process WHERE {rank_is('?1')} "
+            "ORDER BY ts DESC LIMIT ?2",
             (rid, self.series_points),
         ).fetchall()
         process = None
@@ -1050,15 +1052,15 @@ class TuiData:
         scalars: dict[str, tuple[float | None, Series]] = {}
         for name in self._scalar_names(rid):
             latest = self.con.execute(
-                "SELECT value FROM scalars WHERE rank_id=? AND name=? ORDER BY step DESC LIMIT 1", (rid, name)
+                f"SELECT value FROM scalars WHERE {rank_is('?1')} AND name=?2 ORDER BY step DESC LIMIT 1", (rid, name)
             ).fetchone()
-            sb = self._series(("scalar", rid, name), "scalars", ("value",), "rank_id=? AND name=?", (rid, name))
+            sb = self._series(("scalar", rid, name), "scalars", ("value",), f"{rank_is('?1')} AND name=?2", (rid, name))
             scalars[name] = (latest[0] if latest else None, sb.series(0))
-        lstep = self.con.execute("SELECT MAX(step) FROM layers WHERE rank_id=?", (rid,)).fetchone()[0]
+        lstep = self.con.execute(f"SELECT MAX(step) FROM layers WHERE {rank_is('?1')}", (rid,)).fetchone()[0]
         layers: list[LayerRow] = []
         if lstep is not None:
             for r in self.con.execute(
-                "SELECT layer, forward_ns, backward_ns, activation_bytes FROM layers WHERE rank_id=? AND step=? "
+                f"SELECT layer, forward_ns, backward_ns, activation_bytes FROM layers WHERE {rank_is('?1')} AND step=?2 "
                 "ORDER BY rowid",
                 (rid, lstep),
             ):
@@ -1082,12 +1084,12 @@ class TuiData:
         )
 
     def _scalar_names(self, rank_id: int, limit: int = 32) -> list[str]:
-        # Skip-scan over the (rank_id, name, step) index: one seek per distinct name.
+        # Skip-scan over the scalars index (group, name, step, rank): one seek per distinct name.
         names: list[str] = []
         last = ""
         while len(names) < limit:
             row = self.con.execute(
-                "SELECT MIN(name) FROM scalars WHERE rank_id=? AND name>?", (rank_id, last)
+                f"SELECT MIN(name) FROM scalars WHERE {rank_is('?1')} AND name>?2", (rank_id, last)
             ).fetchone()
             if row is None or row[0] is None:
                 break
