@@ -145,3 +145,20 @@ def test_sample_of_strided_steps_is_not_aliased_away(tmp_path: Path) -> None:
     assert 300 < len(data.steps) <= 700  # spread over the run, not only the dense tail
     assert data.steps[0] == 1 and data.steps[-1] == 5999
     assert data.steps == sorted(set(data.steps))
+
+
+def test_sample_of_contiguous_steps_is_every_kth_and_the_dense_tail(tmp_path: Path) -> None:
+    from traceml_daemon.store import reader
+    from traceml_daemon.tui.synth import SynthSpec, build
+
+    db = tmp_path / "contiguous.db"
+    build(str(db), SynthSpec(nnodes=1, ranks_per_node=10, steps=3000, straggler=None, with_detail=False))
+    con = reader.open_readonly(str(db))
+    ranks = reader.load_ranks(con, reader.latest_run(con))
+    counts = reader._step_counts_many(con, [r.rank_id for r in ranks])
+    assert counts == {r.rank_id: reader._step_counts(con, r.rank_id) for r in ranks}
+    for rank in ranks:
+        data = reader.load_rank_data(con, rank, cap=600, counts=counts[rank.rank_id])
+        # tail = min(SAMPLE_TAIL_STEPS, cap // 2) = 300; every = ceil(3000 / (600 - 300)) = 10.
+        assert data.steps == sorted({*range(0, 3000, 10), *range(2700, 3000)})
+        assert data.steps_stored == 3000 and data.global_rank == rank.global_rank

@@ -21,7 +21,7 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
-from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is
+from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is, ranks_in
 
 
 class StoreError(RuntimeError):
@@ -163,6 +163,30 @@ def _step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
     return StepCounts(total, first, last)
 
 
+# Rank ids per statement of _step_counts_many: two parameters' worth of SQL each,
+# well inside SQLite's 32,766 bound parameters.
+_COUNT_CHUNK = 4096
+
+
+def _step_counts_many(conn: sqlite3.Connection, rank_ids: list[int]) -> dict[int, StepCounts]:
+    """``_step_counts`` of many ranks in one pass over their groups' index entries: a
+    count per rank walks its whole group (schema v4), so per-rank counts of a group's
+    ranks would walk it RANK_GROUP times."""
+    out = dict.fromkeys(rank_ids, StepCounts(0, None, None))
+    for i in range(0, len(rank_ids), _COUNT_CHUNK):
+        part = rank_ids[i : i + _COUNT_CHUNK]
+        for rank_id, total, first, last in conn.execute(
+            f"SELECT rank_id, count(*), min(step), max(step) FROM steps WHERE {ranks_in(len(part))} GROUP BY rank_id",
+            part,
+        ):
+            out[rank_id] = StepCounts(total, first, last)
+    return out
+
+
+# Step numbers per statement when fetching chosen steps of a rank.
+_IN_CHUNK = 500
+
+
 def _sampled_steps(conn: sqlite3.Connection, rank_id: int, counts: StepCounts, cap: int, tail: int) -> list[tuple[Any, ...]]:
     """At most about ``cap`` rows of a rank: every k-th step over the whole run (creep and
     whole-run medians keep their shape under uniform thinning) plus the newest ``tail``
@@ -172,24 +196,21 @@ def _sampled_steps(conn: sqlite3.Connection, rank_id: int, counts: StepCounts, c
         return _rank_steps(conn, rank_id, None)
     tail = max(1, min(tail, cap // 2))  # at least half the budget samples the whole run
     every = -(-counts.total // max(1, cap - tail))
-    cols = ", ".join(_STEP_COLS)
-    tail_from = conn.execute(
-        f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step DESC LIMIT 1 OFFSET ?2", (rank_id, tail - 1)
-    ).fetchone()[0]
     if counts.last - counts.first + 1 == counts.total:
-        # Contiguous step numbers (the usual case): thin by arithmetic on the index.
-        return conn.execute(
-            f"SELECT {cols} FROM steps WHERE {rank_is('?1')} AND ((step - ?2) % ?3 = 0 OR step >= ?4) ORDER BY step",
-            (rank_id, counts.first, every, tail_from),
-        ).fetchall()
-    # Gaps or a stride (e.g. one row per optimizer step of accumulated micro-steps), where
-    # ``step % k`` could alias and select nothing: every k-th of the steps themselves,
-    # read from the index, then fetched in chunks.
-    steps = [row[0] for row in conn.execute(f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step", (rank_id,))]
-    chosen = sorted(set(steps[::every]) | {x for x in steps[-tail:]})
+        # Contiguous step numbers (the usual case): the chosen steps by arithmetic, each
+        # a seek of the index. (A filter ``(step - first) % every = 0`` would walk every
+        # entry of the rank's group, RANK_GROUP x the rank's own.)
+        chosen = sorted({*range(counts.first, counts.last + 1, every), *range(counts.last - tail + 1, counts.last + 1)})
+    else:
+        # Gaps or a stride (e.g. one row per optimizer step of accumulated micro-steps),
+        # where every k-th step number could alias and select nothing: every k-th of the
+        # steps themselves, read from the index.
+        steps = [row[0] for row in conn.execute(f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step", (rank_id,))]
+        chosen = sorted(set(steps[::every]) | set(steps[-tail:]))
+    cols = ", ".join(_STEP_COLS)
     rows: list[tuple[Any, ...]] = []
-    for i in range(0, len(chosen), 500):
-        part = chosen[i:i + 500]
+    for i in range(0, len(chosen), _IN_CHUNK):
+        part = chosen[i : i + _IN_CHUNK]
         rows += conn.execute(
             f"SELECT {cols} FROM steps WHERE {rank_is('?1')} AND step IN ({','.join('?' * len(part))}) ORDER BY step",
             (rank_id, *part),
@@ -209,9 +230,14 @@ def _rank_status(conn: sqlite3.Connection, rank_id: int) -> RankStatus | None:
 
 
 def load_rank_data(
-    conn: sqlite3.Connection, rank: RankRow, last_n: int | None = None, cap: int | None = None
+    conn: sqlite3.Connection,
+    rank: RankRow,
+    last_n: int | None = None,
+    cap: int | None = None,
+    counts: StepCounts | None = None,
 ) -> RankData:
-    """One rank's steps: all, the newest ``last_n``, or (``cap``) a bounded sample of a long run."""
+    """One rank's steps: all, the newest ``last_n``, or (``cap``) a bounded sample of a long run
+    (``counts``: the rank's, when already read with others by ``_step_counts_many``)."""
     data = RankData(
         global_rank=rank.global_rank if rank.global_rank is not None else -rank.rank_id,
         local_rank=rank.local_rank,
@@ -219,7 +245,7 @@ def load_rank_data(
         hostname=rank.hostname,
     )
     if cap is not None:
-        counts = _step_counts(conn, rank.rank_id)
+        counts = counts or _step_counts(conn, rank.rank_id)
         data.steps_stored = counts.total
         rows = _sampled_steps(conn, rank.rank_id, counts, cap, SAMPLE_TAIL_STEPS)
     else:
@@ -317,10 +343,12 @@ def load_run(
         return RunData(ranks=[], live=live)
     ranks = load_ranks(conn, run)
     cap = None
+    counts: dict[int, StepCounts] = {}
     if budget_rows is not None and last_n is None:
         cap = max(SAMPLE_MIN_STEPS, budget_rows // max(1, len(ranks)))
+        counts = _step_counts_many(conn, [r.rank_id for r in ranks])
     return RunData(
-        ranks=[load_rank_data(conn, r, last_n, cap) for r in ranks],
+        ranks=[load_rank_data(conn, r, last_n, cap, counts.get(r.rank_id)) for r in ranks],
         parallelism=run_parallelism(conn, run, ranks),
         now=time.time() if live else None,
         live=live,

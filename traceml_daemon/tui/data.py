@@ -289,6 +289,9 @@ def downsample(steps: Sequence[float], values: Sequence[float | None], width: in
 class _Buckets:
     """Cached SQL aggregation of one ``(table, rank_id[, name])`` series.
 
+    ``where`` selects the series' rows with numbered parameters (``?1``...: it is used
+    twice in one statement), ``schema.rank_is`` for the rank.
+
     Buckets are ``step // size`` with ``size`` a power of two; when there are
     more than ``width`` buckets, neighbours are merged pairwise (size doubles),
     which needs no re-read. Only the newest (possibly partial) bucket is
@@ -307,8 +310,12 @@ class _Buckets:
 
     def update(self, con: sqlite3.Connection) -> None:
         if self.size == 0:
+            # Two subqueries: each is one seek of the index (MIN and MAX in one SELECT walk
+            # every entry of the rank's group).
             lo, hi = con.execute(
-                f"SELECT MIN(step), MAX(step) FROM {self.table} WHERE {self.where}", self.params
+                f"SELECT (SELECT MIN(step) FROM {self.table} WHERE {self.where}), "
+                f"(SELECT MAX(step) FROM {self.table} WHERE {self.where})",
+                self.params,
             ).fetchone()
             if lo is None:
                 return

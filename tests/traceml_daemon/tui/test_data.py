@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import SCHEMA_VERSION
+from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is
 from traceml_daemon.tui.data import (
     WINDOW,
     Analysis,
@@ -50,7 +50,7 @@ def test_downsample_none_stays_none() -> None:
 def test_sql_buckets_bounded_incremental(tmp_path: Path) -> None:
     db = build(str(tmp_path / "b.db"), SynthSpec(nnodes=1, ranks_per_node=1, steps=1000, with_detail=False))
     ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    b = _Buckets("steps", ("step_ns",), "rank_id=?", (1,), 64)
+    b = _Buckets("steps", ("step_ns",), rank_is("?1"), (1,), 64)
     b.update(ro)
     s = b.series(0)
     assert 0 < len(s.steps) <= 64 and s.steps[-1] == 999
