@@ -28,8 +28,7 @@ from traceml_daemon.tui.data import TuiData
 # read says SEARCH.
 _FULL_SCAN = re.compile(rf"\bSCAN ({'|'.join(GROUPED_INDEXES)}|s|m|x)\b")
 # The statements that scan on purpose: schema migrations and history backfill (GROUP BY
-# over every row once), the TUI's tail of new rows by rowid (a rowid range, not a scan),
-# retention's oldest rows by rowid.
+# over every row once), retention's deletes.
 _WHOLE_RUN = ("INSERT", "CREATE", "DELETE", "PRAGMA")
 # compare reads every step and scalar of both runs, in one pass each.
 _WHOLE_RUN_READS = ("FROM steps s JOIN ranks r", "FROM scalars s JOIN ranks r")
@@ -67,7 +66,7 @@ def _plans(db: str, statements: list[str]) -> list[tuple[str, str]]:
             if sql.lstrip().upper().startswith(_WHOLE_RUN) or any(w in sql for w in _WHOLE_RUN_READS):
                 continue
             if "rowid>" in sql.replace(" ", ""):
-                continue
+                continue  # the TUI's tail of new rows: a rowid range, searched by rowid
             for row in con.execute(f"EXPLAIN QUERY PLAN {sql}"):
                 if _FULL_SCAN.search(row[3]):
                     bad.append((sql, row[3]))

@@ -156,7 +156,9 @@ def test_sample_of_contiguous_steps_is_every_kth_and_the_dense_tail(tmp_path: Pa
     con = reader.open_readonly(str(db))
     ranks = reader.load_ranks(con, reader.latest_run(con))
     counts = reader._step_counts_many(con, [r.rank_id for r in ranks])
-    assert counts == {r.rank_id: reader._step_counts(con, r.rank_id) for r in ranks}
+    plain = con.execute("SELECT rank_id, count(*), min(step), max(step) FROM steps GROUP BY rank_id")
+    assert counts == {rank_id: reader.StepCounts(*rest) for rank_id, *rest in plain}
+    assert reader._step_counts(con, ranks[3].rank_id) == counts[ranks[3].rank_id]
     for rank in ranks:
         data = reader.load_rank_data(con, rank, cap=600, counts=counts[rank.rank_id])
         # tail = min(SAMPLE_TAIL_STEPS, cap // 2) = 300; every = ceil(3000 / (600 - 300)) = 10.

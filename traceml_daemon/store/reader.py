@@ -156,22 +156,19 @@ class StepCounts:
     last: int | None
 
 
-def _step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
-    total, first, last = conn.execute(
-        f"SELECT count(*), min(step), max(step) FROM steps WHERE {rank_is('?1')}", (rank_id,)
-    ).fetchone()
-    return StepCounts(total, first, last)
-
-
 # Rank ids per statement of _step_counts_many: two parameters' worth of SQL each,
 # well inside SQLite's 32,766 bound parameters.
 _COUNT_CHUNK = 4096
 
 
+def _step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
+    return _step_counts_many(conn, [rank_id])[rank_id]
+
+
 def _step_counts_many(conn: sqlite3.Connection, rank_ids: list[int]) -> dict[int, StepCounts]:
-    """``_step_counts`` of many ranks in one pass over their groups' index entries: a
-    count per rank walks its whole group (schema v4), so per-rank counts of a group's
-    ranks would walk it RANK_GROUP times."""
+    """Each rank's stored steps (count, first, last) in one pass over their groups' index
+    entries: a count per rank walks its whole group (schema v4), so one statement per
+    rank of a group would walk it RANK_GROUP times."""
     out = dict.fromkeys(rank_ids, StepCounts(0, None, None))
     for i in range(0, len(rank_ids), _COUNT_CHUNK):
         part = rank_ids[i : i + _COUNT_CHUNK]
