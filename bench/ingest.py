@@ -136,6 +136,9 @@ class AgentMix:
     counters_every: int = COUNTERS_REFRESH_FLUSHES
     gpus_per_node: int = 8
     steps_per_flush: int = STEPS_PER_FLUSH
+    # The WORLD_SIZE the simulated agents state, as real ones do from torchrun's (run_case
+    # sets the case's rank count; the daemon sizes each rank's history sample by it).
+    world_size: int = 0
 
     def describe(self) -> str:
         counters = "never" if not self.counters_every else (
@@ -230,7 +233,7 @@ def relay_conn(port: int, node: int, ranks: list[int], mode: str, seconds: float
     reply = pending or read_messages(True)
     if reply[0]["t"] != "accept":
         raise SystemExit(f"refused: {reply[0]}")
-    peers = {f"bench/r{r}": {"global_rank": r, "local_rank": r % 8, "node_rank": node, "world_size": 0,
+    peers = {f"bench/r{r}": {"global_rank": r, "local_rank": r % 8, "node_rank": node, "world_size": maker.mix.world_size,
                              "hostname": f"node{node}"} for r in ranks}
     agent_seq = dict.fromkeys(ranks, 0)
     step = dict.fromkeys(ranks, 0)
@@ -365,7 +368,7 @@ def _policy_overrides(pairs: list[str]) -> dict[str, int | float]:
 
 def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int | None, rss_every: float = 10.0,
              policy: dict[str, int | float] | None = None, mix: AgentMix | None = None) -> dict:
-    mix = mix or AgentMix()
+    mix = dataclasses.replace(mix or AgentMix(), world_size=ranks)
     if window is None:
         window = max(2, WINDOW_ROWS // (mix.steps_per_flush * max(1, ranks // relays)))
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))

@@ -60,6 +60,7 @@ class RankState:
     node_rank: int | None = None
     session: str | None = None
     attempt: int = 0
+    world_size: int | None = None  # as the rank stated it (sizes its history sample)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class _RankTemplate:
     node_rank: int | None
     run_session: str
     attempt: int
+    world_size: int | None
 
 
 class Ingestor:
@@ -196,7 +198,8 @@ class Ingestor:
                     state = RankState(rank_id=self.next_rank_id, last_seq=seq)
                     self.next_rank_id += 1
                 else:
-                    state = RankState(prior.rank_id, seq, prior.global_rank, prior.node_rank, prior.session, prior.attempt)
+                    state = RankState(prior.rank_id, seq, prior.global_rank, prior.node_rank, prior.session,
+                                      prior.attempt, prior.world_size)
                 high_water[sender] = state
             # Seqs advance even when the body is bad: a resend would be equally
             # bad, and refusing it forever would wedge the relay's buffer.
@@ -246,6 +249,7 @@ class Ingestor:
             node_rank=values.get("node_rank"),
             run_session=sess,
             attempt=attempt if isinstance(attempt, int) else 0,
+            world_size=world_size if isinstance(world_size := values.get("world_size"), int) else None,
         )
         self._templates[sender] = template
         return template
@@ -303,7 +307,7 @@ class Ingestor:
             state = plan.high_water[sender]
             t = self._template(sender, session, identity, node)
             state.global_rank, state.node_rank = t.global_rank, t.node_rank
-            state.session, state.attempt = t.run_session, t.attempt
+            state.session, state.attempt, state.world_size = t.run_session, t.attempt, t.world_size
             if committed.get(sender) is t:
                 plan.rank_touches.append((state.rank_id, now, state.last_seq))
             else:

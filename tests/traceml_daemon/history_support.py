@@ -23,11 +23,14 @@ def random_steps(rank: int, first: int, n: int, seed: int, ts0: float = 1_700_00
     return cols
 
 
-def batch(seq: int, ranks: list[int], first: int, n: int, ts0: float = 1_700_000_000.0) -> WorkItem:
-    """One rbatch: ``n`` steps from ``first`` for each of ``ranks`` (node = rank // 2)."""
+def batch(seq: int, ranks: list[int], first: int, n: int, ts0: float = 1_700_000_000.0,
+          world_size: int | None = None) -> WorkItem:
+    """One rbatch: ``n`` steps from ``first`` for each of ``ranks`` (node = rank // 2);
+    ``world_size``: what the ranks state as their job's size (none stated by default)."""
     items = [[agent_sender("s1", r, node=r // 2), seq, encode_body({"steps": random_steps(r, first, n, r, ts0)})]
              for r in ranks]
-    peers = {agent_sender("s1", r, node=r // 2): {"global_rank": r, "node_rank": r // 2} for r in ranks}
+    stated = {} if world_size is None else {"world_size": world_size}
+    peers = {agent_sender("s1", r, node=r // 2): {"global_rank": r, "node_rank": r // 2, **stated} for r in ranks}
     return WorkItem(RELAY, "s1", seq, items, peers, {}, {})
 
 

@@ -62,6 +62,33 @@ def test_reservoir_is_bounded_uniformish_and_keeps_the_latest_point(tmp_path: Pa
         assert conn.execute("SELECT step_ns FROM steps WHERE rank_id=1 AND step=?", (step,)).fetchone()[0] == step_ns
 
 
+def test_a_big_job_samples_fewer_points_per_rank_and_keeps_that_size_across_restarts(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    policy = IngestPolicy()
+    assert policy.reservoir_size_for(None) == policy.reservoir_size_for(8) == RESERVOIR_SIZE
+    assert policy.reservoir_size_for(2048) == 128
+    assert policy.reservoir_size_for(4096) == policy.reservoir_size_for(100_000) == 64
+
+    async def run(first: int, world_size: int) -> None:
+        writer = StoreWriter(str(db), history_interval=0.0)
+        await writer.open()
+        for i in range(5):
+            assert await writer.write([batch(first // 500 + i + 1, [0, 1], first + i * 500, 500, world_size=world_size)])
+        await writer.close()
+
+    asyncio.run(run(0, 4096))
+    # A restarted daemon (here told another world size) samples on at the size each rank started with.
+    asyncio.run(run(2500, 8))
+    conn = ro(db)
+    for rank_id in (1, 2):
+        sample = [s for (s,) in conn.execute("SELECT step FROM reservoir WHERE rank_id=? AND slot>=0", (rank_id,))]
+        assert len(sample) == len(set(sample)) == 64
+        assert min(sample) < 1_000 and max(sample) > 4_000  # uniform over all 5,000 steps
+        assert conn.execute("SELECT size, seen FROM reservoir_state WHERE rank_id=?", (rank_id,)).fetchone() == (64, 5000)
+        latest = conn.execute("SELECT step FROM reservoir WHERE rank_id=? AND slot=?", (rank_id, LATEST_SLOT)).fetchone()
+        assert latest == (4_999,)
+
+
 def test_overview_reads_at_most_width_points_per_series(tmp_path: Path) -> None:
     db = tmp_path / "o.db"
     batches = [batch(i + 1, [0, 1, 2, 3], i * 2000, 2000) for i in range(10)]  # 20,000 steps x 4 ranks

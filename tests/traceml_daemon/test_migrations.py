@@ -1,7 +1,8 @@
 """Older databases migrate forward: a v1 database (no history tables) gets its
 history backfilled from raw steps, a v2 database keeps every history row under
 the v3 keys, a v3 database trades its per-rank indexes for per-group ones (v4),
-and the writer carries on where it stopped."""
+a v4 reservoir keeps its samples at the size they had (v5), and the writer
+carries on where it stopped."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def _v1_database(db: Path) -> None:
 def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
-    assert SCHEMA_VERSION == 4
-    assert migrate(str(db)) == 4
+    assert SCHEMA_VERSION == 5
+    assert migrate(str(db)) == 5
     conn = ro(db)
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "5"
     for level in HISTORY_LEVELS:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))
@@ -76,9 +77,13 @@ def test_writer_continues_a_migrated_database(tmp_path: Path) -> None:
     assert conn.execute("SELECT seen FROM reservoir_state WHERE rank_id=1").fetchone() == (2100,)
 
 
-def _dump(conn: sqlite3.Connection, table: str) -> list[tuple[object, ...]]:
-    cols = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
-    return sorted(conn.execute(f"SELECT {', '.join(sorted(cols))} FROM {table}").fetchall(), key=repr)
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return sorted(row[1] for row in conn.execute(f"PRAGMA table_info({table})"))
+
+
+def _dump(conn: sqlite3.Connection, table: str, cols: list[str] | None = None) -> list[tuple[object, ...]]:
+    """Every row of ``table`` (``cols``, default all), in a fixed order."""
+    return sorted(conn.execute(f"SELECT {', '.join(cols or _columns(conn, table))} FROM {table}").fetchall(), key=repr)
 
 
 def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
@@ -93,12 +98,15 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
         "INSERT INTO status (rank_id, ts, phase, steps_done, finished) VALUES (?, ?, ?, ?, ?)",
         [(1, 10.0, "forward", 1, 0), (1, 12.0, "idle", 3, 1), (1, 11.0, "backward", 2, 0), (2, 10.0, "wait", 1, 0)],
     )
-    before = {t: _dump(conn, t) for t in ("rank_history", "node_history", "reservoir", "reservoir_state")}
+    tables = ("rank_history", "node_history", "reservoir", "reservoir_state")
+    columns = {t: _columns(conn, t) for t in tables}
+    before = {t: _dump(conn, t) for t in tables}
     conn.close()
     assert all(before.values())
     assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
-    assert {t: _dump(conn, t) for t in before} == before
+    # Every row and value kept (v5 adds a column to reservoir_state, not compared here).
+    assert {t: _dump(conn, t, columns[t]) for t in tables} == before
     keys = {
         t: [r[2] for r in sorted(conn.execute(f"PRAGMA index_xinfo('sqlite_autoindex_{t}_1')")) if r[5]]
         for t in ("rank_history", "node_history", "reservoir")
@@ -147,4 +155,36 @@ def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: 
     assert _dump(conn, "steps") == steps_before
     assert {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)} == before
     assert all(len(v) == 1500 for v in before.values())
+    conn.close()
+
+
+def test_v4_samples_keep_their_size_and_new_ranks_of_a_big_job_get_smaller_ones(tmp_path: Path) -> None:
+    db = tmp_path / "v4.db"
+    _v1_database(db)
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statements in MIGRATIONS[1:4]:  # what traceml-daemon 4 ran
+        for statement in statements:
+            conn.execute(statement)
+    conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+    state_before = conn.execute("SELECT rank_id, seen, next_take, w FROM reservoir_state ORDER BY rank_id").fetchall()
+    conn.close()
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    after = conn.execute("SELECT rank_id, seen, next_take, w, size FROM reservoir_state ORDER BY rank_id").fetchall()
+    assert after == [(*row, 256) for row in state_before]
+    conn.close()
+
+    async def go() -> None:
+        writer = StoreWriter(str(db))
+        await writer.open()
+        # Ranks 0-2 were sampled at 256 before v5; rank 5 is new and states a 4096-rank job.
+        assert await writer.write([batch(2, [0, 1, 2, 5], 1500, 3000, world_size=4096)])
+        await writer.close()
+
+    asyncio.run(go())
+    conn = ro(db)
+    sizes = dict(conn.execute("SELECT rank_id, size FROM reservoir_state").fetchall())
+    assert sizes == {1: 256, 2: 256, 3: 256, 4: 64}
+    counts = dict(conn.execute("SELECT rank_id, count(*) FROM reservoir WHERE slot >= 0 GROUP BY rank_id").fetchall())
+    assert counts == {1: 256, 2: 256, 3: 256, 4: 64}
     conn.close()

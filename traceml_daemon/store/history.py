@@ -9,8 +9,9 @@ writer folds every committed step into:
   max and sum of ``step_ns`` and of every phase. Sums and counts (not means)
   are stored so a bucket filled over several transactions, or across a daemon
   restart, merges exactly in SQL.
-* ``reservoir``: per rank a uniform sample (Algorithm L) of
-  ``RESERVOIR_SIZE`` raw points, plus slot ``LATEST_SLOT`` that always holds
+* ``reservoir``: per rank a uniform sample (Algorithm L) of up to
+  ``RESERVOIR_SIZE`` raw points (fewer per rank in big jobs, so the table stays
+  bounded: ``IngestPolicy.reservoir_size_for``), plus slot ``LATEST_SLOT`` that always holds
   the newest point, so medians of a whole run and "where is it now" cost a
   few hundred rows per rank.
 
@@ -274,7 +275,9 @@ RANK_UPSERT_PARTS = _upsert_parts("rank_history", ("rank_id", "level", "bucket")
 NODE_UPSERT_PARTS = _upsert_parts("node_history", ("session", "attempt", "node_rank", "level", "bucket"))
 _RES_COLS = ("rank_id", "slot", "step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES))
 RESERVOIR_UPSERT_PARTS: SqlParts = (f"INSERT OR REPLACE INTO reservoir ({', '.join(_RES_COLS)})", "", len(_RES_COLS))
-RESERVOIR_STATE_UPSERT_PARTS: SqlParts = ("INSERT OR REPLACE INTO reservoir_state (rank_id, seen, next_take, w)", "", 4)
+RESERVOIR_STATE_UPSERT_PARTS: SqlParts = (
+    "INSERT OR REPLACE INTO reservoir_state (rank_id, seen, next_take, w, size)", "", 5
+)
 RANK_UPSERT = _one_row(RANK_UPSERT_PARTS)
 NODE_UPSERT = _one_row(NODE_UPSERT_PARTS)
 RESERVOIR_UPSERT = _one_row(RESERVOIR_UPSERT_PARTS)
@@ -311,6 +314,7 @@ class ReservoirState:
     seen: int = 0
     next_take: int = 0  # index (0-based, over all points seen) of the next point to enter
     w: float = 0.0
+    size: int = RESERVOIR_SIZE  # points in this rank's sample, fixed when it starts
 
 
 @dataclass
@@ -324,12 +328,12 @@ class Reservoir:
     """Per-rank uniform samples of raw step points; state lives here, rows in SQL."""
 
     def __init__(self, size: int = RESERVOIR_SIZE) -> None:
-        self.size = size
+        self.size = size  # the sample size of a rank offered none
         self.states: dict[int, ReservoirState] = {}
 
-    def load(self, rows: Iterable[tuple[int, int, int, float]]) -> None:
-        for rank_id, seen, next_take, w in rows:
-            self.states[rank_id] = ReservoirState(seen, next_take, w)
+    def load(self, rows: Iterable[tuple[int, int, int, float, int]]) -> None:
+        for rank_id, seen, next_take, w, size in rows:
+            self.states[rank_id] = ReservoirState(seen, next_take, w, size)
 
     @staticmethod
     def _draws(rank_id: int, position: int) -> tuple[float, float, int]:
@@ -350,18 +354,21 @@ class Reservoir:
     def offer(self, rank_id: int, cols: dict[str, Sequence[Any]], update: ReservoirUpdate) -> None:
         self.offer_columns(rank_id, history_columns(cols), update)
 
-    def offer_columns(self, rank_id: int, columns: Columns, update: ReservoirUpdate) -> None:
-        """Offer one rank's new points (``HISTORY_COLUMNS`` order) to its sample."""
+    def offer_columns(self, rank_id: int, columns: Columns, update: ReservoirUpdate, size: int | None = None) -> None:
+        """Offer one rank's new points (``HISTORY_COLUMNS`` order) to its sample.
+
+        ``size``: the sample size of a rank offered its first points (default
+        ``self.size``); a rank keeps the size it started with."""
         steps = columns[0]
         n = len(steps)
         if n == 0:
             return
-        k = self.size
         state = self.states.get(rank_id)
         if state is None:
-            state = self.states[rank_id] = ReservoirState()
+            state = self.states[rank_id] = ReservoirState(size=size or self.size)
+        k = state.size
         if rank_id not in update.before:
-            update.before[rank_id] = ReservoirState(state.seen, state.next_take, state.w)
+            update.before[rank_id] = ReservoirState(state.seen, state.next_take, state.w, k)
         rows = update.rows
         start = state.seen
         end = start + n
@@ -411,7 +418,7 @@ class Reservoir:
 
 def reservoir_rows(update: ReservoirUpdate) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     rows = list(update.rows.values())
-    states = [(rid, s.seen, s.next_take, s.w) for rid, s in update.states.items()]
+    states = [(rid, s.seen, s.next_take, s.w, s.size) for rid, s in update.states.items()]
     return rows, states
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from traceml_daemon.store.schema import RESERVOIR_SIZE
+
 
 @dataclass(frozen=True)
 class IngestPolicy:
@@ -79,6 +81,25 @@ class IngestPolicy:
     # larger WAL copies each page once per checkpoint however often it was rewritten.
     # The WAL file grows to about this many pages (x 4 KiB) before it is reused.
     wal_autocheckpoint_pages: int = 16_384
+
+    # The reservoir (store/history.py: a uniform sample of each rank's steps for
+    # whole-run medians) holds at most this many points over all the ranks of a job,
+    # and each rank between reservoir_min_size and schema.RESERVOIR_SIZE (256): up to
+    # 1024 ranks keep 256 points each, 4096 ranks 64. A sample's writes are front-loaded
+    # (k * (1 + ln(N / k)) rows per rank after N steps, each replacement a random row),
+    # and at 4096 ranks x 256 the table (~60 MB) outgrew the page cache: in the first
+    # minutes of a paced 4096-rank run the replacements dirtied nearly every page of it
+    # at each history write, 15 points of a core and the p99 latency (bench/ingest.py,
+    # paced 4096 with the sample off: 50% of a core against 65%, p99 0.8 s against 2.5 s).
+    # 64 points still put a rank's median within ~1.6% at a 10% spread of step times.
+    reservoir_points_total: int = 262_144
+    reservoir_min_size: int = 64
+
+    def reservoir_size_for(self, world_size: int | None) -> int:
+        """Points in the sample of a rank of a job of ``world_size`` ranks (None or 0: unknown)."""
+        if not world_size or world_size <= 0:
+            return RESERVOIR_SIZE
+        return max(min(self.reservoir_min_size, RESERVOIR_SIZE), min(RESERVOIR_SIZE, self.reservoir_points_total // world_size))
 
     def writer_pragmas(self) -> list[str]:
         """Connection settings of the writer on top of ``schema.PRAGMAS``."""

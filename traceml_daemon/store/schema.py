@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -68,7 +68,7 @@ def _v1() -> list[str]:
 
 HISTORY_LEVELS = (64, 1024, 16384)  # steps per bucket, finest first
 HISTORY_METRICS = ("step", *PHASES)  # each is the ``{metric}_ns`` column of steps
-RESERVOIR_SIZE = 256  # uniform sample of raw steps kept per rank (+ the latest point)
+RESERVOIR_SIZE = 256  # most raw steps sampled per rank (+ the latest point); see v5
 LATEST_SLOT = -1  # reservoir slot that always holds the rank's newest step
 
 
@@ -258,8 +258,20 @@ def _v4() -> list[str]:
     return out
 
 
+# ------------------------------------------- v5: a reservoir size per rank
+# A rank's sample holds RESERVOIR_SIZE points, or fewer in a big job (see
+# IngestPolicy.reservoir_size_for), so the reservoir table stays bounded whatever
+# the number of ranks. Each rank keeps the size it started with: Algorithm L's state
+# (seen, next_take, w) is only meaningful for one size. Ranks sampled before v5 keep
+# the size they had.
+
+
+def _v5() -> list[str]:
+    return [f"ALTER TABLE reservoir_state ADD COLUMN size INTEGER NOT NULL DEFAULT {RESERVOIR_SIZE}"]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

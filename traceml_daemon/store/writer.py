@@ -279,7 +279,7 @@ class PendingHistory:
         yield from multi_row_stream(history.RESERVOIR_UPSERT_PARTS, rows.values(), len(rows))
         yield from multi_row_stream(
             history.RESERVOIR_STATE_UPSERT_PARTS,
-            ((rid, s.seen, s.next_take, s.w) for rid, s in states.items()),
+            ((rid, s.seen, s.next_take, s.w, s.size) for rid, s in states.items()),
             len(states),
         )
 
@@ -350,13 +350,13 @@ class StoreWriter:
         known: dict[str, RankState] = {}
         top = 0
         async with self._db.execute(
-            "SELECT sender, rank_id, last_seq, global_rank, node_rank, session, attempt FROM ranks"
+            "SELECT sender, rank_id, last_seq, global_rank, node_rank, session, attempt, world_size FROM ranks"
         ) as cur:
-            async for sender, rank_id, last_seq, global_rank, node_rank, session, attempt in cur:
-                known[sender] = RankState(rank_id, last_seq, global_rank, node_rank, session, attempt)
+            async for sender, rank_id, last_seq, global_rank, node_rank, session, attempt, world_size in cur:
+                known[sender] = RankState(rank_id, last_seq, global_rank, node_rank, session, attempt, world_size)
                 top = max(top, rank_id)
         self.ingestor = Ingestor(known, next_rank_id=top + 1)
-        async with self._db.execute("SELECT rank_id, seen, next_take, w FROM reservoir_state") as cur:
+        async with self._db.execute("SELECT rank_id, seen, next_take, w, size FROM reservoir_state") as cur:
             self.reservoir.load([tuple(row) async for row in cur])  # type: ignore[misc]
         async with self._db.execute(
             "SELECT counter, value FROM delivery WHERE source=?", (DAEMON_SOURCE,)
@@ -407,9 +407,15 @@ class StoreWriter:
         pending = self.pending_history
         deltas: dict[tuple[int, int, int], history.Stats] = {}
         offer = self.reservoir.offer_columns
+        known_sizes = self.reservoir.states
+        size_for = self.policy.reservoir_size_for
         for rank_id, cols in columns_by_rank:
             history.add_rank_deltas(rank_id, cols, deltas)
-            offer(rank_id, cols, pending.reservoir)
+            size = None
+            if rank_id not in known_sizes:  # a new sample: sized by its job (see IngestPolicy)
+                st = states.get(rank_id)
+                size = size_for(st.world_size if st is not None else None)
+            offer(rank_id, cols, pending.reservoir, size)
 
         def node_of(rank_id: int) -> history.NodeKey | None:
             st = states.get(rank_id)
