@@ -43,6 +43,18 @@ def _v1_database(db: Path) -> None:
     conn.close()
 
 
+def _database_at(db: Path, version: int) -> sqlite3.Connection:
+    """The v1 database as traceml-daemon ``version`` left it: migrated by exactly the
+    steps that version ran. Returns an open connection, for rows of that version."""
+    _v1_database(db)
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statements in MIGRATIONS[1:version]:
+        for statement in statements:
+            conn.execute(statement)
+    conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
+    return conn
+
+
 def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
@@ -88,11 +100,7 @@ def _dump(conn: sqlite3.Connection, table: str, cols: list[str] | None = None) -
 
 def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
     db = tmp_path / "v2.db"
-    _v1_database(db)
-    conn = sqlite3.connect(db, isolation_level=None)
-    for statement in MIGRATIONS[1]:  # exactly what traceml-daemon 2 ran
-        conn.execute(statement)
-    conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    conn = _database_at(db, 2)
     # v2 appended a status row per flush; out of ts order once (a resend).
     conn.executemany(
         "INSERT INTO status (rank_id, ts, phase, steps_done, finished) VALUES (?, ?, ?, ?, ?)",
@@ -129,13 +137,7 @@ def test_v2_history_keeps_every_row_under_the_v3_keys(tmp_path: Path) -> None:
 
 def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: Path) -> None:
     db = tmp_path / "v3.db"
-    _v1_database(db)
-    conn = sqlite3.connect(db, isolation_level=None)
-    for statements in MIGRATIONS[1:3]:  # what traceml-daemon 3 ran
-        for statement in statements:
-            conn.execute(statement)
-    conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
-    conn.close()
+    _database_at(db, 3).close()
     conn = ro(db)
     run = latest_run(conn)
     assert run is not None
@@ -160,12 +162,7 @@ def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: 
 
 def test_v4_samples_keep_their_size_and_new_ranks_of_a_big_job_get_smaller_ones(tmp_path: Path) -> None:
     db = tmp_path / "v4.db"
-    _v1_database(db)
-    conn = sqlite3.connect(db, isolation_level=None)
-    for statements in MIGRATIONS[1:4]:  # what traceml-daemon 4 ran
-        for statement in statements:
-            conn.execute(statement)
-    conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+    conn = _database_at(db, 4)
     state_before = conn.execute("SELECT rank_id, seen, next_take, w FROM reservoir_state ORDER BY rank_id").fetchall()
     conn.close()
     assert migrate(str(db)) == SCHEMA_VERSION
