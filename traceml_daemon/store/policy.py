@@ -97,9 +97,11 @@ class IngestPolicy:
 
     def reservoir_size_for(self, world_size: int | None) -> int:
         """Points in the sample of a rank of a job of ``world_size`` ranks (None or 0: unknown)."""
-        if not world_size or world_size <= 0:
+        if world_size is None or world_size <= 0:
             return RESERVOIR_SIZE
-        return max(min(self.reservoir_min_size, RESERVOIR_SIZE), min(RESERVOIR_SIZE, self.reservoir_points_total // world_size))
+        share = self.reservoir_points_total // world_size
+        floor = min(self.reservoir_min_size, RESERVOIR_SIZE)
+        return max(floor, min(RESERVOIR_SIZE, share))
 
     def writer_pragmas(self) -> list[str]:
         """Connection settings of the writer on top of ``schema.PRAGMAS``."""

@@ -407,15 +407,12 @@ class StoreWriter:
         pending = self.pending_history
         deltas: dict[tuple[int, int, int], history.Stats] = {}
         offer = self.reservoir.offer_columns
-        known_sizes = self.reservoir.states
         size_for = self.policy.reservoir_size_for
         for rank_id, cols in columns_by_rank:
             history.add_rank_deltas(rank_id, cols, deltas)
-            size = None
-            if rank_id not in known_sizes:  # a new sample: sized by its job (see IngestPolicy)
-                st = states.get(rank_id)
-                size = size_for(st.world_size if st is not None else None)
-            offer(rank_id, cols, pending.reservoir, size)
+            # The size a new sample gets from its job (offer_columns keeps a started one's).
+            st = states.get(rank_id)
+            offer(rank_id, cols, pending.reservoir, size_for(st.world_size if st is not None else None))
 
         def node_of(rank_id: int) -> history.NodeKey | None:
             st = states.get(rank_id)
