@@ -244,3 +244,41 @@ def test_next_transaction_is_staged_while_the_previous_one_is_written(tmp_path: 
     asyncio.run(run())
     assert events == ["stage 1", "write 1", "stage 2", "write 2", "stage 3", "write 3"]
     assert ro(db).execute("SELECT count(*) FROM steps").fetchone()[0] == 30
+
+
+def test_an_idle_writer_waits_for_more_before_a_small_transaction(tmp_path: Path) -> None:
+    """Relays flush at their own times. An idle writer that finds little queued waits
+    ``coalesce_s`` for more, so one transaction (one COMMIT) carries what arrives
+    meanwhile; without the wait, the first batch gets a transaction of its own."""
+
+    async def transactions(coalesce_s: float) -> list[list[int]]:
+        writer = StoreWriter(str(tmp_path / f"c{coalesce_s}.db"), coalesce_s=coalesce_s)
+        await writer.open()
+        queue: ByteQueue[WorkItem] = ByteQueue(1 << 20)
+        staged: list[list[int]] = []
+        stage, get_many = writer.stage, queue.get_many
+
+        def logged_stage(work: list[WorkItem], taken_bytes: int = 0) -> Any:
+            staged.append([item.seq for item in work])
+            if 3 in staged[-1]:
+                asyncio.get_running_loop().create_task(queue.close())  # everything is in: end the run
+            return stage(work, taken_bytes)
+
+        async def get_many_then_more(max_bytes: int, timeout: float) -> list[tuple[WorkItem, int]]:
+            taken = await get_many(max_bytes, timeout)
+            if [item.seq for item, _ in taken] == [1]:  # the first flush is taken: two more arrive
+                for seq in (2, 3):
+                    await queue.put(batch(seq, [seq], 0, 10), 100)
+            return taken
+
+        writer.stage = logged_stage  # type: ignore[method-assign]
+        queue.get_many = get_many_then_more  # type: ignore[method-assign]
+        await queue.put(batch(1, [1], 0, 10), 100)
+        await writer.run(queue)
+        await writer.close()
+        return [seqs for seqs in staged if seqs]
+
+    assert asyncio.run(transactions(0.2)) == [[1, 2, 3]]
+    assert asyncio.run(transactions(0.0)) == [[1], [2, 3]]
+    for name in ("c0.2.db", "c0.0.db"):
+        assert ro(tmp_path / name).execute("SELECT count(*) FROM steps").fetchone()[0] == 30
