@@ -503,6 +503,9 @@ def main() -> None:
     p.add_argument("--versus", nargs="*", default=[], metavar="KEY=VALUE",
                    help="every case also runs, right before, with these IngestPolicy fields replaced "
                         "(a same-run baseline for a policy change, e.g. sqlite_cache_kib=2000)")
+    p.add_argument("--versus-after", action="store_true",
+                   help="run the --versus case right after the default one instead of before: a run in "
+                        "each order tells a change from the machine drifting between the two")
     p.add_argument("--keep-db", action="store_true",
                    help="keep each case's database and daemon log (removed after the case by default)")
     p.add_argument("--counters-every", type=int, default=COUNTERS_REFRESH_FLUSHES,
@@ -533,10 +536,13 @@ def main() -> None:
             print(f"agents: {mix.describe()}", flush=True)
             before = _probe_baseline(ranks, mix.steps_per_flush)
             compare = bool(versus or versus_mix)
-            if compare:
-                versus_case = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, versus or None,
-                                       versus_mix or mix)
+            versus_args = (ranks, relays, mode, args.seconds, args.window, args.rss_every, versus or None,
+                           versus_mix or mix)
+            if compare and not args.versus_after:
+                versus_case = run_case(*versus_args)
             r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, mix=mix)
+            if compare and args.versus_after:
+                versus_case = run_case(*versus_args)
             tag = f"r{ranks}_k{relays}_{mode}" if args.relays else f"r{ranks}_{mode}"
             if steps_per_flush != STEPS_PER_FLUSH:
                 tag += f"_f{steps_per_flush}"

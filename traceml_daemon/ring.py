@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from traceml_wire.tables import INT64_MAX, INT64_MIN
 
 
 class Ring:
