@@ -34,8 +34,9 @@ class IngestPolicy:
     # (0.25 s: 48% and 53% against 56% and 62%, p50 ~560-610 ms). A busy writer
     # never waits (the next batch piles up while the last one is written):
     # R=64 throughput 102k against 104k rows/s at 10 steps a flush, 276k against
-    # 278k at 3333. (An unconditional wait once cut R=64 throughput 3x: relays
-    # wait for acks.)
+    # 278k at 3333. (This was 0 because a coalescing wait was once measured to cut
+    # R=64 throughput 3x, relays waiting for acks; with the idle-writer condition
+    # the throughput cases above are unchanged.)
     coalesce_s: float = 0.1
     # History (buckets, node buckets, reservoir) is folded and written at most this
     # often: raw rows are the acknowledged data, history may lag by this much.
