@@ -76,13 +76,18 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import agent
-from agent.recorder import Recorder
-from agent.tracer import Tracer
+# The agent of the checkout this file is in, not whichever one is installed: from a
+# worktree the editable install pointed at the main checkout, so the bench timed that
+# agent and (c) counted 0 bytecodes (the executed files lay outside AGENT_DIR).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import agent  # noqa: E402
+from agent.recorder import Recorder  # noqa: E402
+from agent.tracer import Tracer  # noqa: E402
 
 MODES_ALL = ("none", "none_aa", "null", "null_hooks", "null_fwd_wrap", "null_fwd_hooks", "tracer_ref", "tracer", "public", "profiler")
 TraceFn = Callable[[torch.nn.Module], AbstractContextManager[Any]]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _layer(i: int) -> torch.nn.Module:
