@@ -8,12 +8,13 @@ check, so untraced code (evaluation, other libraries) pays almost nothing.
 The wrapper takes torch's own parameters by name and passes them on by
 position (``KNOWN_PARAMS``). A ``*args, **kwargs`` wrapper packs a tuple and a
 dict on every call and unpacks them again through the interpreter's generic
-call path, code the training step itself never runs: measured under
-cachegrind in a real CPU step (bench/overhead.py's workload), the explicit
-form took ~100 fewer instruction-cache misses a step, and the overhead bench
-timed the tracer 1.5-2.5 us a step cheaper in the same run. A torch whose
-``backward`` no longer starts with those parameters gets the generic form
-(``_generic``), the same bookkeeping through two helper calls.
+call path, code the training step itself never runs: counted under
+cachegrind in a real CPU step (bench/agent_cachegrind.py), the explicit form
+takes ~94 fewer L1 instruction-cache misses a step, ~10% of what the tracer
+adds (timed, the gain is within bench/overhead.py's noise in some runs; see
+README). A torch whose ``backward`` no longer starts with those parameters
+gets the generic form (``_generic``), the same bookkeeping through two helper
+calls.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def install(tracer: Any) -> Callable[[], None]:
 def _fast(tracer: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper for torch's known signature, its bookkeeping inline (the hot path).
 
-    Opens and closes the phase exactly as ``_generic``'s ``opened``/``close`` do;
-    tests/agent/test_capture_autograd.py runs both and compares what they record.
+    Opens and closes the phase exactly as ``_generic``'s ``opened``/``close`` do (kept
+    apart on purpose: two helper calls a step are what this form saves);
+    tests/agent/test_capture_autograd.py runs the same tests through both.
     """
     perf = time.perf_counter_ns
+    # Fixed for the Tracer's lifetime; on CPU the phase bookkeeping is inline (no calls).
     backend = tracer._backend
     fail = tracer._gate.fail
 
@@ -79,8 +82,12 @@ def _fast(tracer: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
                  grad_variables: Any = None, inputs: Any = None, *more: Any, **named: Any) -> Any:
         rec = tracer._active
         if rec is None or rec.bwd_depth:
+            # Outside a traced step, or a backward inside one (a hook, a double backward):
+            # the outermost call times it.
             return orig(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs, *more, **named)
         try:
+            # Reused as the start until the backward returns; written before the depth,
+            # which is what status() checks first.
             rec.bwd_end = perf()
             if backend is not None:
                 rec.bwd_ev0 = backend.mark()
