@@ -47,7 +47,9 @@ def takes_known_params(fn: Callable[..., Any]) -> bool:
     return (
         tuple(p.name for p in head) == KNOWN_PARAMS
         and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in head)
-        and all(p.default is d for p, d in zip(head, KNOWN_DEFAULTS, strict=True))  # singletons all
+        # None, False and Parameter.empty are singletons: identity is the comparison (a
+        # default with its own __eq__, a tensor say, is never called).
+        and all(p.default is d for p, d in zip(head, KNOWN_DEFAULTS, strict=True))
     )
 
 
