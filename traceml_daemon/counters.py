@@ -23,6 +23,9 @@ class Counters:
     oversize_frames: int = 0
     refused_peers: int = 0
     bad_bodies: int = 0
+    # History partials that failed their checks; their batches' rows were stored and
+    # folded by the daemon instead (traceml_wire/history.py).
+    partials_refused: int = 0
     protocol_errors: int = 0
     connections: int = 0
 

@@ -22,7 +22,8 @@ from operator import itemgetter
 from typing import Any
 
 from traceml_wire.errors import ProtocolError
-from traceml_wire.tables import TABLES, Column, columns, decode_columns
+from traceml_wire.history import Stats, decode_partials
+from traceml_wire.tables import TABLES, Column, columns, decode_batch
 
 log = logging.getLogger("traceml_daemon.ingest")
 
@@ -84,6 +85,10 @@ class Plan:
     # rank_id -> its step batches (columns in ``TABLE_COLUMNS["steps"]`` order, read-only),
     # for history and aggregates.
     steps_by_rank: dict[int, list[list[Column]]] = field(default_factory=dict)
+    # rank_id -> (step batch, its checked history partials) for the batches that carried
+    # them (traceml_wire/history.py): history merges these instead of folding the rows.
+    partials_by_rank: dict[int, list[tuple[list[Column], list[tuple[int, Stats]]]]] = field(default_factory=dict)
+    partials_refused: int = 0  # partials that failed their checks (the rows were folded instead)
     rows_stored: int = 0
     duplicates_discarded: int = 0
     bad_bodies: int = 0
@@ -122,6 +127,7 @@ def parse_agent_sender(sender: str) -> SenderId | None:
 
 
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: columns(name) for name in TABLES}
+_STEP = TABLE_COLUMNS["steps"].index("step")
 _DROP_SOURCE = TABLE_COLUMNS["drops"].index("source")
 _DROP_COUNT = TABLE_COLUMNS["drops"].index("count")
 
@@ -205,12 +211,14 @@ class Ingestor:
             # bad, and refusing it forever would wedge the relay's buffer.
             sources[sender] = (session, peers.get(sender) or {}, node, now)
             try:
-                tables = decode_columns(body)
+                tables, partials = decode_batch(body)
             except ProtocolError as exc:
                 plan.bad_bodies += 1
                 log.warning("discarding a bad batch body from %s seq %d: %s", sender, seq, exc)
                 continue
             self._add_tables(plan, state.rank_id, sender, tables)
+            if partials is not None:
+                self._add_partials(plan, state.rank_id, sender, seq, tables.get("steps"), partials)
 
     def _template(
         self, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
@@ -277,6 +285,23 @@ class Ingestor:
                     plan.steps_by_rank[rank_id] = [cols]
                 else:
                     batches.append(cols)
+
+    @staticmethod
+    def _add_partials(plan: Plan, rank_id: int, sender: str, seq: int, steps: list[Column] | None, raw: Any) -> None:
+        try:
+            fine = decode_partials(raw, () if steps is None else steps[_STEP])
+        except ProtocolError as exc:
+            # The rows are stored as sent and history folds them itself: nothing is lost.
+            plan.partials_refused += 1
+            log.warning("history partials from %s seq %d refused (its steps are folded instead): %s", sender, seq, exc)
+            return
+        if steps is None or not fine:
+            return
+        have = plan.partials_by_rank.get(rank_id)
+        if have is None:
+            plan.partials_by_rank[rank_id] = [(steps, fine)]
+        else:
+            have.append((steps, fine))
 
     def _changed_drops(self, plan: Plan, sender: str, cols: list[Column]) -> list[Column] | None:
         """Fold a batch's "drops" rows into the plan's delivery counters; return the rows

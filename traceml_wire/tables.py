@@ -164,13 +164,19 @@ class TableBuilder:
 
 
 def encode_body(tables: dict[str, dict[str, list[Any]]], **extra: Any) -> bytes:
-    """Pack an agent batch body: ``{"tables": {...}, **extra}``."""
-    body = {"tables": {k: v for k, v in tables.items() if v and any(v.values())}}
+    """Pack an agent batch body: ``{"tables": {...}, **extra}``, plus the history
+    partials of its steps where there are enough of them (``traceml_wire.history``)."""
+    body: dict[str, Any] = {"tables": {k: v for k, v in tables.items() if v and any(v.values())}}
+    steps = tables.get("steps")
+    if steps:
+        partials = _history.encode_partials(steps)
+        if partials is not None:
+            body["history"] = partials
     body.update(extra)
     return msgpack.packb(body, use_bin_type=True)
 
 
-def _unpack_tables(body: bytes) -> dict[Any, Any]:
+def _unpack(body: bytes) -> dict[Any, Any]:
     try:
         # use_list=False: wire arrays become tuples. A tuple of numbers is one
         # allocation instead of two, and the cyclic GC stops tracking it after its
@@ -181,8 +187,7 @@ def _unpack_tables(body: bytes) -> dict[Any, Any]:
         raise ProtocolError(f"batch body is not valid msgpack: {exc.__class__.__name__}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("tables", {}), dict):
         raise ProtocolError("batch body must be a map with a 'tables' map")
-    tables: dict[Any, Any] = raw.get("tables", {})
-    return tables
+    return raw
 
 
 # SQLite stores 64-bit signed integers; msgpack also carries uint64 up to 2**64 - 1,
@@ -238,7 +243,17 @@ def decode_columns(body: bytes) -> dict[str, list[Column]]:
     ``_exact``, which raises the first problem in table and column order,
     exactly as the column-by-column check always did.
     """
-    tables = _unpack_tables(body)
+    return _decode_tables(_unpack(body).get("tables", {}))
+
+
+def decode_batch(body: bytes) -> tuple[dict[str, list[Column]], Any]:
+    """``decode_columns`` and the body's history partials as sent (None: none;
+    ``traceml_wire.history.decode_partials`` checks them), from one unpack."""
+    raw = _unpack(body)
+    return _decode_tables(raw.get("tables", {})), raw.get("history")
+
+
+def _decode_tables(tables: dict[Any, Any]) -> dict[str, list[Column]]:
     out: dict[str, list[Column]] = {}
     ints: list[Column] = []
     reals: list[Column] = []
@@ -351,3 +366,8 @@ def decode_body(body: bytes) -> dict[str, dict[str, list[Any]]]:
 def rows(table: dict[str, list[Any]], order: tuple[str, ...]) -> list[tuple[Any, ...]]:
     """Columns to row tuples in ``order`` (for executemany)."""
     return list(zip(*(table[c] for c in order), strict=True))
+
+
+# Last: traceml_wire.history imports this module's names (either may be imported first;
+# encode_body reads the attribute only when called).
+from traceml_wire import history as _history  # noqa: E402

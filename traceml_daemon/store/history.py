@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import sqlite3
 import statistics
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
@@ -46,14 +45,14 @@ from typing import Any
 from traceml_daemon.analysis.nodes import by_node_with_worst
 from traceml_daemon.analysis.stats import max_or_none, min_or_none
 from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
+from traceml_wire import history as wire_history
 from traceml_wire.tables import PHASES
 
-# Stats is a flat list, for speed on the ingest path:
+# Stats is a flat list, for speed on the ingest path (``traceml_wire.history``):
 # [n, first_step, last_step, last_ts, then per metric: count, min, max, sum]
-Stats = list[Any]
-_BASE = 4
-_WIDTH = _BASE + 4 * len(HISTORY_METRICS)
-_METRIC_COLS = tuple(f"{m}_ns" for m in HISTORY_METRICS)
+Stats = wire_history.Stats
+_BASE = wire_history.BASE
+_WIDTH = wire_history.WIDTH
 _chain = chain.from_iterable
 
 
@@ -80,44 +79,8 @@ def merge_into(acc: Stats, other: Stats) -> None:
 
 
 # A rank's history columns: ``HISTORY_COLUMNS`` order, each a sequence over its steps.
-HISTORY_COLUMNS = ("step", "ts", *_METRIC_COLS)
-Columns = Sequence[Sequence[Any]]
-
-
-def _stats_of(cols: Columns, ordered: bool = False) -> Stats:
-    """Stats of whole columns (``HISTORY_COLUMNS`` order, steps all set, at least one row;
-    ``ordered``: the steps ascend, so their first and last are their min and max).
-
-    Every figure is a C-level pass over a column: with no None in any metric (the
-    usual case) one ``map`` per figure covers every metric at once."""
-    steps, ts, *metrics = cols
-    n = len(steps)
-    if ordered:  # two passes of the ~24 a bucket costs
-        head: Stats = [n, steps[0], steps[-1], max_or_none(ts)]
-    else:
-        head = [n, min(steps), max(steps), max_or_none(ts)]
-    try:
-        # sum() fails on any None ("not measured", which stays out of every figure):
-        # trying first saves a scan for None on every column of every bucket.
-        sums = list(map(sum, metrics))
-    except TypeError:
-        return head + _metric_stats(metrics)
-    return head + list(_chain(zip(repeat(n), map(min, metrics), map(max, metrics), sums)))
-
-
-def _metric_stats(metrics: Columns) -> Stats:
-    out: Stats = []
-    for values in metrics:
-        try:
-            total = sum(values)
-        except TypeError:
-            values = [v for v in values if v is not None]
-            total = sum(values)
-        if values:
-            out += [len(values), min(values), max(values), total]
-        else:
-            out += [0, None, None, 0]
-    return out
+HISTORY_COLUMNS = wire_history.COLUMNS
+Columns = wire_history.Columns
 
 
 def _merged(group: Sequence[Stats]) -> Stats:
@@ -133,60 +96,45 @@ def _merged(group: Sequence[Stats]) -> Stats:
     return out
 
 
-def _fine_groups(steps: Sequence[int], size: int) -> tuple[bool, list[tuple[int, slice | list[int] | None]]]:
-    """Whether the steps ascend, and (bucket, rows) for the finest level: None for all
-    rows, slices when steps arrive in order (the usual case), index lists otherwise."""
-    first, last = steps[0], steps[-1]
-    if sorted(steps) == list(steps):  # C-level; linear on sorted input (steps may be a tuple)
-        if first // size == last // size:
-            return True, [(first // size, None)]
-        # One bisect per bucket instead of a division per row.
-        out: list[tuple[int, slice | list[int] | None]] = []
-        start, n = 0, len(steps)
-        while start < n:
-            bucket = steps[start] // size
-            end = bisect_left(steps, (bucket + 1) * size, start)
-            out.append((bucket, slice(start, end)))
-            start = end
-        return True, out
-    by: dict[int, list[int]] = {}
-    for i, s in enumerate(steps):
-        by.setdefault(s // size, []).append(i)
-    return False, list(by.items())
-
-
-def _pick(cols: Columns, idx: slice | list[int] | None) -> Columns:
-    if idx is None:
-        return cols
-    if isinstance(idx, slice):
-        return [c[idx] for c in cols]
-    return [[c[i] for i in idx] for c in cols]
-
-
 def add_rank_deltas(rank_id: int, cols: Columns, out: dict[tuple[int, int, int], Stats]) -> None:
-    """Add what one rank's columns (``HISTORY_COLUMNS`` order) add to every level to ``out``.
+    """Add what one rank's columns (``HISTORY_COLUMNS`` order) add to every level to ``out``."""
+    add_fine_deltas(rank_id, wire_history.fine_stats(cols), out)
 
-    Only the finest level is computed from rows, per bucket; a coarser level whose
-    bucket holds all of the rank's rows (the usual case: a write carries a few dozen
-    steps per rank) takes the merged stats of the finest buckets, merged once;
-    otherwise each of its buckets merges the finest buckets it holds (the levels nest).
-    """
-    steps = cols[0]
-    if None in steps:
-        keep = [i for i, s in enumerate(steps) if s is not None]
-        cols = [[v[i] for i in keep] for v in cols]
-        steps = cols[0]
-    if not steps:
+
+def merge_fine(parts: Iterable[list[tuple[int, Stats]]]) -> list[tuple[int, Stats]]:
+    """Several sets of (bucket, Stats) of the finest level (partials sent with batches,
+    stats of rows folded here) as one, a bucket at most once, ascending; the inputs
+    are not changed."""
+    by: dict[int, Stats] = {}
+    for part in parts:
+        for bucket, stats in part:
+            have = by.get(bucket)
+            if have is None:
+                by[bucket] = list(stats)
+            else:  # a bucket split between two flushes
+                merge_into(have, stats)
+    return sorted(by.items())
+
+
+def add_fine_deltas(rank_id: int, fine_stats: list[tuple[int, Stats]], out: dict[tuple[int, int, int], Stats]) -> None:
+    """Add one rank's finest buckets (each at most once) and what they add to every
+    coarser level to ``out``.
+
+    A coarser level whose bucket holds all of them (the usual case: a write carries a
+    few seconds of steps per rank) takes their stats merged once; otherwise each of its
+    buckets merges the finest buckets it holds (the levels nest)."""
+    if not fine_stats:
         return
     fine, coarse = HISTORY_LEVELS[0], HISTORY_LEVELS[1:]
-    ordered, rows_by_bucket = _fine_groups(steps, fine)
-    fine_stats = [(bucket, _stats_of(_pick(cols, idx), ordered)) for bucket, idx in rows_by_bucket]
     for bucket, stats in fine_stats:
         out[(rank_id, fine, bucket)] = stats
-    lo, hi = fine_stats[0][0] * fine, fine_stats[-1][0] * fine
-    if len(fine_stats) > 1:  # the first and last bucket are the extremes only in order
-        lo, hi = (steps[0], steps[-1]) if ordered else (min(steps), max(steps))
-    whole: Stats | None = fine_stats[0][1] if len(fine_stats) == 1 else None
+    if len(fine_stats) == 1:
+        whole: Stats | None = fine_stats[0][1]
+        lo = hi = fine_stats[0][0] * fine
+    else:
+        whole = None
+        buckets = [bucket for bucket, _ in fine_stats]
+        lo, hi = min(buckets) * fine, max(buckets) * fine
     for level in coarse:
         if lo // level == hi // level:
             if whole is None:

@@ -8,6 +8,7 @@ the integer key of the sending rank in ``ranks``. Column types follow
 
 from __future__ import annotations
 
+from traceml_wire.history import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
 SCHEMA_VERSION = 5
@@ -66,8 +67,10 @@ def _v1() -> list[str]:
 # so an overview of a run of any length reads O(width) rows per series and
 # survives retention deleting raw steps.
 
-HISTORY_LEVELS = (64, 1024, 16384)  # steps per bucket, finest first
-HISTORY_METRICS = ("step", *PHASES)  # each is the ``{metric}_ns`` column of steps
+# Steps per bucket, finest first; agents send partials of the finest level
+# (traceml_wire/history.py), so it is theirs to state.
+HISTORY_LEVELS = (FINE_STEPS, 1024, 16384)
+HISTORY_METRICS = METRICS  # step and every phase: each is the ``{metric}_ns`` column of steps
 RESERVOIR_SIZE = 256  # most raw steps sampled per rank (+ the latest point); see v5
 LATEST_SLOT = -1  # reservoir slot that always holds the rank's newest step
 

@@ -395,21 +395,27 @@ class StoreWriter:
         if not by_rank:
             return
         states = {s.rank_id: s for s in self.ingestor.known.values()}
-        self._fold_history(by_rank.items(), states)
+        self._fold_history(((rank_id, cols, None) for rank_id, cols in by_rank.items()), states)
         log.info("history caught up on %d ranks' unfolded steps", len(by_rank))
         await self._flush_history_now()
 
     def _fold_history(
-        self, columns_by_rank: Iterable[tuple[int, history.Columns]], states: dict[int, RankState]
+        self,
+        columns_by_rank: Iterable[tuple[int, history.Columns, list[tuple[int, history.Stats]] | None]],
+        states: dict[int, RankState],
     ) -> None:
-        """Add committed steps ((rank_id, columns in ``history.HISTORY_COLUMNS`` order),
-        one rank at a time) to the pending history (pure CPU, nothing written)."""
+        """Add committed steps ((rank_id, columns in ``history.HISTORY_COLUMNS`` order, their
+        fine buckets if their agents sent them, else None), one rank at a time) to the
+        pending history (pure CPU, nothing written)."""
         pending = self.pending_history
         deltas: dict[tuple[int, int, int], history.Stats] = {}
         offer = self.reservoir.offer_columns
         size_for = self.policy.reservoir_size_for
-        for rank_id, cols in columns_by_rank:
-            history.add_rank_deltas(rank_id, cols, deltas)
+        for rank_id, cols, fine in columns_by_rank:
+            if fine is None:
+                history.add_rank_deltas(rank_id, cols, deltas)
+            else:
+                history.add_fine_deltas(rank_id, fine, deltas)
             # The size a new sample gets from its job (offer_columns keeps a started one's).
             st = states.get(rank_id)
             offer(rank_id, cols, pending.reservoir, size_for(st.world_size if st is not None else None))
@@ -613,6 +619,7 @@ class StoreWriter:
         counters["rows_stored"] += plan.rows_stored
         counters["duplicates_discarded"] += plan.duplicates_discarded
         counters["bad_bodies"] += plan.bad_bodies
+        counters["partials_refused"] += plan.partials_refused
         head = self._take_history(force=False)
         if plan.empty and counters == self._stored_counters and head is None:
             self.ingestor.commit(plan)
@@ -644,11 +651,12 @@ class StoreWriter:
         self.counters.rows_stored = counters["rows_stored"]
         self.counters.duplicates_discarded = counters["duplicates_discarded"]
         self.counters.bad_bodies = counters["bad_bodies"]
+        self.counters.partials_refused = counters["partials_refused"]
         self._stored_counters = counters
         if plan.steps_by_rank:
             # Every rank with steps in this plan has its state in the plan's high-water marks.
             by_id = {s.rank_id: s for s in plan.high_water.values()}
-            self.backlog.add(plan.steps_by_rank, by_id)
+            self.backlog.add(plan.steps_by_rank, by_id, plan.partials_by_rank)
             if self.aggregates is not None:
                 # One call per rank and transaction: its batches are kept as they are.
                 add = self.aggregates.add_batches

@@ -31,7 +31,7 @@ GiB = 2**30
 # packages; tests/traceml_daemon/tui/test_data.py checks the relay's against RelayStats.
 DAEMON_COUNTERS = (
     "frames_received", "rows_stored", "duplicates_discarded", "oversize_frames",
-    "refused_peers", "bad_bodies", "protocol_errors", "connections",
+    "refused_peers", "bad_bodies", "partials_refused", "protocol_errors", "connections",
 )  # fmt: skip
 RELAY_COUNTERS = (
     "dropped_batches", "dropped_bytes", "spooled_batches", "spool_dropped_batches", "agents_connected",
