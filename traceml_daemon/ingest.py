@@ -68,13 +68,10 @@ class RankState:
 class Plan:
     """Everything one transaction writes."""
 
-    # table -> its decoded batches, (rank_id, columns), in arrival order; ``Ingestor.staged``
-    # turns each table into ``flat``: the parameters of all of the transaction's rows,
-    # row-major (rank_id then every column of the table, row after row), as the writer's
-    # multi-row INSERTs bind them, built in one C-level pass (see ``_row_major``).
+    # table -> its decoded batches, (rank_id, columns), in arrival order. The writer turns
+    # each table into the parameters of its multi-row INSERTs (``row_major``) on the
+    # database thread, while the event loop decodes the next transaction.
     chunks: dict[str, list[tuple[int, list[Column]]]] = field(default_factory=dict)
-    flat: dict[str, list[Any]] = field(default_factory=dict)
-    row_counts: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # sender -> RANK_COLUMNS row
     # Senders whose identity row is committed already: (rank_id, last_seen, last_seq).
     rank_touches: list[tuple[int, float, int]] = field(default_factory=list)
@@ -100,12 +97,12 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not (
-            self.flat or self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
+            self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
         )
 
     def rows(self, table: str) -> list[tuple[Any, ...]]:
         """The rows of ``table`` as tuples (tests and tools; the writer binds ``flat``)."""
-        flat = self.flat.get(table, [])
+        flat = row_major(self.chunks[table])[0] if table in self.chunks else []
         width = 1 + len(TABLE_COLUMNS[table])
         return [tuple(flat[at : at + width]) for at in range(0, len(flat), width)]
 
@@ -339,9 +336,6 @@ class Ingestor:
                 plan.ranks[sender] = (state.rank_id, *t.middle, now, now, state.last_seq)
                 plan.full_rows[sender] = t
         plan.rank_sources.clear()
-        for name, chunks in plan.chunks.items():
-            plan.flat[name], plan.row_counts[name] = _row_major(chunks)
-        plan.chunks.clear()
         self.pending.update(plan.high_water)
 
     def commit(self, plan: Plan) -> None:
@@ -360,7 +354,7 @@ class Ingestor:
         # batches store them (at worst one repeat per sender).
         self._drops_stored.clear()
 
-def _row_major(chunks: list[tuple[int, list[Column]]]) -> tuple[list[Any], int]:
+def row_major(chunks: list[tuple[int, list[Column]]]) -> tuple[list[Any], int]:
     """The parameters of every row of one table's batches, row-major (rank_id, then
     every column), and the row count. One C-level pass: ``map(zip, ...)`` makes each
     batch's rows (a repeat of its rank id beside its columns) and two chains flatten

@@ -61,14 +61,14 @@ from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX, Counters
 from traceml_daemon.gc_pause import gc_paused
 from traceml_daemon.inbound import ByteQueue
-from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState
+from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState, row_major
 from traceml_daemon.store import history
 from traceml_daemon.store.backlog import StepBacklog
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.policy import DEFAULT_POLICY, IngestPolicy
 from traceml_daemon.store.retention import RetentionPolicy, enforce
 from traceml_daemon.store.schema import PRAGMAS
-from traceml_wire.tables import columns
+from traceml_wire.tables import Column, columns
 
 log = logging.getLogger("traceml_daemon.writer")
 
@@ -189,6 +189,11 @@ _EXACT_PARTS: history.SqlParts = (
 )
 
 
+def _table_statements(table: str, chunks: list[tuple[int, list[Column]]]) -> list[Statement]:
+    flat, nrows = row_major(chunks)
+    return multi_row(_TABLE_PARTS[table], flat, nrows)
+
+
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, where there is one."""
@@ -201,13 +206,17 @@ def _run_transaction(
     statements: list[Statement],
     head: Callable[[], Iterable[Statement]] | None = None,
     trim: bool = False,
+    tables: Sequence[Callable[[], list[Statement]]] = (),
 ) -> None:
     """The whole transaction in one call on the database thread: every aiosqlite
     call is a round trip through the event loop and a GIL hand-off, and while the
     loop is busy decoding, each hand-off can wait a whole switch interval.
 
-    ``head`` (history) runs here too, on this thread, and its statements go first."""
+    ``head`` (history) runs here too, on this thread, and its statements go first;
+    so do ``tables``, which build the telemetry rows' statements (see ``Staged``)."""
     todo: Iterable[Statement] = statements if head is None else chain(head(), statements)
+    if tables:
+        todo = chain(todo, _chain(build() for build in tables))
     conn.execute("BEGIN IMMEDIATE")
     try:
         for sql, params in todo:
@@ -230,6 +239,12 @@ class Staged:
     taken_bytes: int
     plan: Plan
     statements: list[Statement]
+    # Per telemetry table, what builds its INSERTs from the plan's decoded batches: run
+    # on the database thread inside the transaction. Flattening the rows is the largest
+    # per-row cost after decoding; on the event loop it delayed staging the next
+    # transaction while the database thread, its history fold now mostly merged from
+    # agents' partials, waited for work.
+    tables: list[Callable[[], list[Statement]]] = field(default_factory=list)
 
 
 HISTORY_MARK = "history_steps_rowid"
@@ -602,9 +617,8 @@ class StoreWriter:
             statements += multi_row_tuples(_RANK_PARTS, plan.ranks.values())
         if plan.rank_touches:
             statements += multi_row_tuples(_RANK_TOUCH_PARTS, plan.rank_touches)
-        for table, flat in plan.flat.items():
-            statements += multi_row(_TABLE_PARTS[table], flat, plan.row_counts[table])
-        return Staged(work, taken_bytes, plan, statements)
+        tables = [functools.partial(_table_statements, table, chunks) for table, chunks in plan.chunks.items()]
+        return Staged(work, taken_bytes, plan, statements, tables)
 
     async def write(self, work: list[WorkItem]) -> bool:
         """Write ``work`` (possibly empty: counters only) in one transaction."""
@@ -640,7 +654,7 @@ class StoreWriter:
             # _execute is that, and one call per transaction is the point (see _run_transaction).
             # History goes first: its mark must be read before this transaction's own rows go in.
             trim = head is not None and self.policy.trim_heap_after_history
-            await db._execute(_run_transaction, db._conn, statements, head, trim)
+            await db._execute(_run_transaction, db._conn, statements, head, trim, staged.tables)
         except (sqlite3.Error, OSError) as exc:
             log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
             self.ingestor.rollback(plan)
