@@ -12,7 +12,8 @@ from agent.errors import ErrorReporter
 from agent.sender import HelloInfo, ResendBuffer, Sender, encode_bodies
 from tests.agent.fake_relay import FakeRelay
 from traceml_wire.auth import hello_mac
-from traceml_wire.tables import decode_body
+from traceml_wire.history import decode_partials
+from traceml_wire.tables import decode_batch, decode_body
 
 HELLO = HelloInfo(sender="s1/a0/n0/r0/1-abc", session="s1", identity={"global_rank": 0, "pid": 1})
 
@@ -201,6 +202,23 @@ def test_encode_bodies_splits_under_the_frame_limit() -> None:
     assert len(bodies) > 1 and all(len(b) <= 4096 for b in bodies) and dropped == 0
     steps = [s for b in bodies for s in decode_body(b)["scalars"]["step"]]
     assert steps == list(range(n))
+
+
+def test_each_split_body_carries_the_history_partials_of_its_own_steps() -> None:
+    from agent.recorder import Recorder
+
+    rec = Recorder()
+    for step in range(3000):
+        rec.add("steps", {"step": step, "ts": 1.0 + step, "step_ns": 10_000 + step, "forward_ns": 4_000,
+                          "backward_ns": 5_000, "optimizer_ns": 1_000, "wait_ns": step % 7})
+    bodies, dropped = encode_bodies(rec.drain(), 1.0, limit=64 * 1024)
+    assert len(bodies) > 1 and dropped == 0
+    counted = 0
+    for body in bodies:
+        tables, raw = decode_batch(body)
+        fine = decode_partials(raw, tables["steps"][0])  # the daemon's check passes
+        counted += sum(stats[0] for _, stats in fine)
+    assert counted == 3000
 
 
 def _span(args: str) -> dict[str, list[Any]]:
