@@ -17,6 +17,7 @@ class AckWriter:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
         self._frames: list[bytes] = []
+        self.failed = False  # a batch of this connection was not stored (see fail)
 
     def ack(self, seq: int) -> None:
         if not self._frames:
@@ -31,5 +32,6 @@ class AckWriter:
     def fail(self) -> None:
         """A batch was not stored: send the acks before it, then close, so the
         peer reconnects and resends from its buffer."""
+        self.failed = True
         self.flush()
         self._writer.close()

@@ -487,6 +487,10 @@ class DaemonServer:
             node=batch.node,
             stats=batch.stats,
             done=done,
+            # Once one of this connection's batches failed, the relay resends everything
+            # after it on a new connection: what this one still has queued must not be
+            # stored first (a later seq committed makes the resent earlier one a duplicate).
+            live=lambda: not acks.failed,
         )
         try:
             await self.queue.put(item, batch.nbytes)

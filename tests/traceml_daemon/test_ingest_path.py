@@ -211,29 +211,35 @@ def test_writer_connection_takes_the_policy_cache_and_checkpoint_sizes(tmp_path:
     assert asyncio.run(run()) == (-12_345, 4321, 10)
 
 
-def test_next_transaction_is_staged_while_the_previous_one_is_written(tmp_path: Path) -> None:
+def test_next_transaction_is_staged_and_handed_over_while_the_previous_one_is_written(tmp_path: Path) -> None:
     """With batches already queued, the writer hands transaction N to the database
-    thread before it stages N+1: staging (event loop) and writing (sqlite's thread)
-    overlap. The queue never suspends while it holds items, so a write task that
-    was only created, not started, first ran once awaited, after the next stage."""
+    thread, stages N+1 and hands it over too, before N has finished: staging (event
+    loop) and writing (sqlite's thread) overlap, and the database thread goes from
+    one transaction straight to the next. Transactions finish in order."""
     db = tmp_path / "o.db"
     events: list[str] = []
 
     async def run() -> None:
         writer = StoreWriter(str(db), max_txn_bytes=1)  # one queued item per transaction
         await writer.open()
-        stage, write_staged = writer.stage, writer.write_staged
+        stage, submit, finish = writer.stage, writer._submit, writer._finish
 
         def logged_stage(work: list[WorkItem], taken_bytes: int = 0) -> Any:
             events.extend(f"stage {item.seq}" for item in work)
             return stage(work, taken_bytes)
 
-        async def logged_write(staged: Any) -> bool:
-            events.extend(f"write {item.seq}" for item in staged.work)
-            return await write_staged(staged)
+        async def logged_submit(staged: Any) -> Any:
+            events.extend(f"submit {item.seq}" for item in staged.work)
+            return await submit(staged)
+
+        async def logged_finish(submitted: Any) -> bool:
+            ok = await finish(submitted)
+            events.extend(f"finish {item.seq}" for item in submitted.staged.work)
+            return ok
 
         writer.stage = logged_stage  # type: ignore[method-assign]
-        writer.write_staged = logged_write  # type: ignore[method-assign]
+        writer._submit = logged_submit  # type: ignore[method-assign]
+        writer._finish = logged_finish  # type: ignore[method-assign]
         queue: ByteQueue[WorkItem] = ByteQueue(1 << 20)
         for seq in (1, 2, 3):
             await queue.put(batch(seq, [0], (seq - 1) * 10, 10), 100)
@@ -242,7 +248,9 @@ def test_next_transaction_is_staged_while_the_previous_one_is_written(tmp_path: 
         await writer.close()
 
     asyncio.run(run())
-    assert events == ["stage 1", "write 1", "stage 2", "write 2", "stage 3", "write 3"]
+    assert events[:4] == ["stage 1", "submit 1", "stage 2", "submit 2"]
+    assert [e for e in events if e.startswith("finish")] == ["finish 1", "finish 2", "finish 3"]
+    assert events.index("stage 3") < events.index("finish 2")
     assert ro(db).execute("SELECT count(*) FROM steps").fetchone()[0] == 30
 
 
@@ -282,3 +290,57 @@ def test_an_idle_writer_waits_for_more_before_a_small_transaction(tmp_path: Path
     assert asyncio.run(transactions(0.0)) == [[1], [2, 3]]
     for name in ("c0.2.db", "c0.0.db"):
         assert ro(tmp_path / name).execute("SELECT count(*) FROM steps").fetchone()[0] == 30
+
+
+def test_a_transaction_queued_behind_a_failed_one_is_not_committed_and_resending_loses_nothing(tmp_path: Path) -> None:
+    """Transaction 2 fails inside SQLite while 3 may already be queued behind it on the
+    database thread (staged against 2's dedup marks). 3 is then skipped, not committed,
+    and 4, from the same (now closed) connection, is dropped unstored: committing it
+    would make the resent 2 and 3 duplicates of a later seq. Whatever was not
+    acknowledged is resent, and every row ends up stored exactly once, with the stored
+    counter equal to the rows."""
+    import dataclasses
+    import sqlite3
+
+    from traceml_daemon.store.migrate import migrate
+
+    db = tmp_path / "f.db"
+    migrate(str(db))
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("INSERT INTO meta VALUES ('fail', '1')")
+    conn.execute("CREATE TRIGGER fail_step BEFORE INSERT ON steps WHEN NEW.step = 15 "
+                 "AND (SELECT value FROM meta WHERE key='fail')='1' BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    acked: dict[int, bool] = {}
+    connection_failed = [False]  # as the server's AckWriter: closed at the first failure
+
+    def done(seq: int, ok: bool) -> None:
+        acked[seq] = ok
+        connection_failed[0] = connection_failed[0] or not ok
+
+    def item(seq: int) -> WorkItem:
+        return dataclasses.replace(batch(seq, [0], (seq - 1) * 10, 10), done=lambda ok, seq=seq: done(seq, ok),
+                                   live=lambda: not connection_failed[0])
+
+    async def run() -> int:
+        writer = StoreWriter(str(db), max_txn_bytes=1)  # one item per transaction
+        await writer.open()
+        queue: ByteQueue[WorkItem] = ByteQueue(1 << 20)
+        for seq in (1, 2, 3, 4):
+            await queue.put(item(seq), 100)
+        await queue.close()
+        await writer.run(queue)
+        assert acked[1] and not acked[2]
+        assert sorted(acked) == [1, 2, 3, 4]
+        conn.execute("UPDATE meta SET value='0' WHERE key='fail'")
+        connection_failed[0] = False  # a new connection
+        for seq in sorted(s for s, ok in acked.items() if not ok):  # the relay resends
+            assert await writer.write([item(seq)])
+        await writer.close()
+        return writer.counters.rows_stored
+
+    rows_stored = asyncio.run(run())
+    steps = [r[0] for r in conn.execute("SELECT step FROM steps ORDER BY step")]
+    assert steps == list(range(40))
+    assert rows_stored == 40
+    stored = dict(conn.execute("SELECT counter, value FROM delivery WHERE source='daemon'").fetchall())
+    assert stored["rows_stored"] == 40

@@ -18,7 +18,9 @@ freed pages, so the file stays near ``max_db_bytes`` instead of growing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sqlite3
 from dataclasses import dataclass
 
 import aiosqlite
@@ -65,13 +67,20 @@ async def used_bytes(db: aiosqlite.Connection) -> int:
 
 
 async def _delete_chunk(db: aiosqlite.Connection, sql: str, params: tuple[float | int, ...]) -> int:
-    await db.execute("BEGIN IMMEDIATE")
+    # One call on the database thread (aiosqlite's private _execute, as the writer uses):
+    # the writer queues its next transaction on that thread while the previous one
+    # runs, and one queued between this BEGIN and COMMIT would begin inside it.
+    return int(await db._execute(_delete_chunk_now, db._conn, sql, params))
+
+
+def _delete_chunk_now(conn: sqlite3.Connection, sql: str, params: tuple[float | int, ...]) -> int:
+    conn.execute("BEGIN IMMEDIATE")
     try:
-        cur = await db.execute(sql, params)
-        deleted = cur.rowcount
-        await db.execute("COMMIT")
+        deleted = conn.execute(sql, params).rowcount
+        conn.execute("COMMIT")
     except BaseException:
-        await db.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
         raise
     return max(0, deleted)
 

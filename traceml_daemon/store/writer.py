@@ -9,8 +9,12 @@ the senders acknowledged.
 
 Two things keep a 2-core machine fed:
 
-* Pipelining: transaction N+1 is staged (bodies decoded, rows and history
-  deltas built) in the event loop while N runs on aiosqlite's thread.
+* Pipelining: transaction N+1 is staged (bodies decoded) in the event loop
+  while N runs on aiosqlite's thread, and queued on that thread behind N
+  before N ends, so the thread goes from one COMMIT straight to the next
+  BEGIN while the event loop acknowledges N. Queued behind a transaction
+  that fails, a transaction is skipped (``_Chain``): it was staged against
+  the failed one's dedup marks.
 * Few GIL hand-offs: Python's sqlite3 releases the GIL around every
   ``sqlite3_step``; with one step per row, the writer thread waits for the
   GIL (up to the switch interval) after every row whenever the event loop is
@@ -18,7 +22,7 @@ Two things keep a 2-core machine fed:
   ``INSERT ... VALUES (...), (...)`` statements of ``ROWS_PER_STATEMENT``
   rows (one step each), and the switch interval is lowered to 1 ms.
 
-After COMMIT the writer acks first, then only queues the committed steps:
+After COMMIT the writer queues the committed steps, then acks:
 their columns go to the history backlog (``store/backlog.py``) and to the
 live aggregates, both O(1) per rank. History (``store/history.py``) is folded
 from the backlog and written every ``history_interval`` seconds, up to a few
@@ -40,6 +44,7 @@ id, last seen, last seq: all the dedup mark needs) instead of the full
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -99,6 +104,8 @@ class WorkItem:
     node: dict[str, Any]
     stats: dict[str, int]
     done: Callable[[bool], None] | None = None
+    # False once the batch's connection has failed: it is dropped unstored (see stage).
+    live: Callable[[], bool] | None = None
 
 
 # sqlite >= 3.32 allows 32766 bound parameters per statement.
@@ -230,6 +237,29 @@ def _run_transaction(
         malloc_trim(0)  # a ctypes call: the GIL is released meanwhile
 
 
+class _Skipped(Exception):
+    """A transaction queued behind one that failed was not run."""
+
+
+@dataclass
+class _Chain:
+    """Transactions queued on the database thread one behind another. Each was staged
+    against the dedup marks of those ahead of it, so once one fails (``broken``, set on
+    the database thread) the ones behind it must not commit either."""
+
+    broken: bool = False
+
+
+def _run_chained(chain: _Chain, conn: sqlite3.Connection, *args: Any) -> None:
+    if chain.broken:
+        raise _Skipped
+    try:
+        _run_transaction(conn, *args)
+    except BaseException:
+        chain.broken = True
+        raise
+
+
 @dataclass
 class Staged:
     """One transaction, ready to write: the plan and its statements (rows and ranks;
@@ -245,6 +275,22 @@ class Staged:
     # transaction while the database thread, its history fold now mostly merged from
     # agents' partials, waited for work.
     tables: list[Callable[[], list[Statement]]] = field(default_factory=list)
+
+
+@dataclass
+class _Submitted:
+    """A staged transaction handed to the database thread (``call`` None: nothing to write)."""
+
+    staged: Staged
+    head: Callable[[], Iterable[Statement]] | None
+    counters: dict[str, int]
+    call: asyncio.Future[Any] | None
+    # Done once ``_finish`` has run (committed or not): the next one finishes after it.
+    finished: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+# The daemon counters a plan adds to (the rest are counted live by the server).
+_PLAN_COUNTERS = ("rows_stored", "duplicates_discarded", "bad_bodies", "partials_refused")
 
 
 HISTORY_MARK = "history_steps_rowid"
@@ -338,7 +384,14 @@ class StoreWriter:
         self.pending_history = PendingHistory()
         self._history_due = 0.0
         self._db: aiosqlite.Connection | None = None
-        self._stored_counters: dict[str, int] = {}
+        # The counters of the last transaction handed to the database thread (None: store
+        # them with the next one, whatever they are).
+        self._stored_counters: dict[str, int] | None = {}
+        # What handed-over transactions not yet committed add to the plan counters: the
+        # next one stores the totals they will reach.
+        self._uncommitted: dict[str, int] = dict.fromkeys(_PLAN_COUNTERS, 0)
+        self._in_flight = 0  # transactions handed to the database thread, not finished
+        self._chain = _Chain()
         self._next_retention = 0.0
         self._retention_behind = False  # the last pass ran out of budget (see enforce_retention)
         # open() pauses automatic collection until close() (see IngestPolicy.gc_interval_s).
@@ -519,11 +572,13 @@ class StoreWriter:
     async def run(self, queue: ByteQueue[WorkItem]) -> None:
         """Drain ``queue`` until it is closed and empty.
 
-        Stage the next transaction while the previous one is written: decoding
-        runs in the event loop, sqlite on aiosqlite's thread, so they overlap.
+        Stage the next transaction while the previous one is written (decoding runs
+        in the event loop, sqlite on aiosqlite's thread, so they overlap), and hand it
+        to the database thread before the previous one ends: at most two are out at
+        once, the one running and the next queued behind it.
         """
-        writing: asyncio.Task[bool] | None = None
-        previous: Staged | None = None
+        writing: collections.deque[asyncio.Task[bool]] = collections.deque()  # oldest first
+        last: _Submitted | None = None
         while True:
             taken = await queue.get_many(self.max_txn_bytes, self.flush_interval)
             if not taken and queue.closed and len(queue) == 0:
@@ -534,7 +589,7 @@ class StoreWriter:
                 taken
                 and self.coalesce_s > 0
                 and size < self.max_txn_bytes // 4
-                and (writing is None or writing.done())
+                and all(task.done() for task in writing)
                 and not queue.closed
             ):
                 # Idle writer, little queued: many relays flushing at their own times
@@ -545,27 +600,37 @@ class StoreWriter:
                 await asyncio.sleep(self.coalesce_s)
                 taken += await queue.get_many(self.max_txn_bytes - size, 0)
             staged = self.stage([item for item, _ in taken], sum(n for _, n in taken))
-            if writing is not None and not await writing and previous is not None:
-                # The previous transaction failed and rolled every pending mark back:
+            failed = False
+            # Wait for every earlier transaction where this one must follow them all:
+            # history is written only with nothing ahead of it (its fold needs their
+            # committed steps), and after a failure the chain starts anew.
+            settle = self._history_due_now(False) or self._chain.broken
+            while writing and (settle or failed or len(writing) > 1 or writing[0].done()):
+                failed = not await writing.popleft() or failed
+            if failed:
+                # An earlier transaction failed and rolled every pending mark back:
                 # what was staged after it deduplicated against rows never stored.
                 staged = self.stage(staged.work, staged.taken_bytes)
-            previous = staged
-            writing = asyncio.create_task(self._write_and_ack(staged, queue))
-            # Let the write start (it runs until its transaction is handed to the
-            # database thread) before the next stage. get_many does not suspend while
-            # items are queued, so without this the new task first ran when it was
-            # awaited, after the next stage: stage and write took turns instead of
-            # overlapping (measured at R=1024 saturated: 11.8 s staging + 18.7 s
-            # awaiting the write per 50 transactions).
-            await asyncio.sleep(0)
-        if writing is not None:
-            await writing
+            ahead = last.finished if writing and last is not None else None
+            last = await self._submit(staged)
+            writing.append(asyncio.create_task(self._write_and_ack(last, queue, ahead)))
+        while writing:
+            await writing.popleft()
 
-    async def _write_and_ack(self, staged: Staged, queue: ByteQueue[WorkItem]) -> bool:
+    async def _write_and_ack(
+        self, submitted: _Submitted, queue: ByteQueue[WorkItem], ahead: asyncio.Future[None] | None
+    ) -> bool:
         ok = False
         try:
-            ok = await self.write_staged(staged)
+            if ahead is not None:
+                # Transactions finish in the order they were handed over (their
+                # counters, marks and steps build on the ones before).
+                await asyncio.wait([ahead])
+            ok = await self._finish(submitted)
         finally:
+            if not submitted.finished.done():
+                submitted.finished.set_result(None)
+            staged = submitted.staged
             await queue.release(staged.taken_bytes)
             for item in staged.work:
                 if item.done is not None:
@@ -597,7 +662,16 @@ class StoreWriter:
         return result.deleted
 
     def stage(self, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
-        """Decode ``work`` into one transaction (pure CPU, the event loop's share)."""
+        """Decode ``work`` into one transaction (pure CPU, the event loop's share).
+
+        A batch whose connection has failed since it was queued is dropped, not
+        acknowledged: its relay resends it, after the failed one, on a new connection."""
+        dead = [item for item in work if item.live is not None and not item.live()]
+        if dead:
+            for item in dead:
+                if item.done is not None:
+                    item.done(False)
+            work = [item for item in work if item.live is None or item.live()]
         plan = Plan()
         now = time.time()
         for item in work:
@@ -625,19 +699,28 @@ class StoreWriter:
         return await self.write_staged(self.stage(work))
 
     async def write_staged(self, staged: Staged) -> bool:
+        """Write ``staged`` in one transaction and wait for it (and anything ahead of it)."""
+        return await self._finish(await self._submit(staged))
+
+    async def _submit(self, staged: Staged) -> _Submitted:
+        """Hand ``staged`` to the database thread, behind whatever it is running.
+
+        Its counters are the totals it will make: the committed ones plus what the
+        transactions ahead of it add (they commit first, or it is skipped)."""
         assert self._db is not None, "open() first"
         if self.before_write is not None:
             await self.before_write()
         plan = staged.plan
         counters = self.counters.as_dict()
-        counters["rows_stored"] += plan.rows_stored
-        counters["duplicates_discarded"] += plan.duplicates_discarded
-        counters["bad_bodies"] += plan.bad_bodies
-        counters["partials_refused"] += plan.partials_refused
-        head = self._take_history(force=False)
+        adds = (plan.rows_stored, plan.duplicates_discarded, plan.bad_bodies, plan.partials_refused)
+        for name, add in zip(_PLAN_COUNTERS, adds, strict=True):
+            counters[name] += self._uncommitted[name] + add
+        # History's fold reads the backlog, which holds committed steps only: with a
+        # transaction out, its steps are not there yet, and the history mark would say
+        # they are written. So history goes only with nothing ahead (``run`` waits).
+        head = self._take_history(force=False) if self._in_flight == 0 else None
         if plan.empty and counters == self._stored_counters and head is None:
-            self.ingestor.commit(plan)
-            return True
+            return _Submitted(staged, None, counters, None)
         db = self._db
         monotonic = [
             (RELAY_PREFIX + relay, name, value) for relay, stats in plan.relay_stats.items() for name, value in stats.items()
@@ -649,24 +732,50 @@ class StoreWriter:
         if monotonic:
             statements += multi_row_tuples(_MONOTONIC_PARTS, monotonic)
         statements += multi_row_tuples(_EXACT_PARTS, [(DAEMON_SOURCE, k, v) for k, v in counters.items()])
+        if self._in_flight == 0 and self._chain.broken:
+            self._chain = _Chain()  # nothing queued behind the failure any more
+        for name, add in zip(_PLAN_COUNTERS, adds, strict=True):
+            self._uncommitted[name] += add
+        self._stored_counters = counters
+        self._in_flight += 1
+        # aiosqlite has no public "run this function on your thread"; its private
+        # _execute is that, and one call per transaction is the point (see _run_transaction).
+        # History goes first: its mark must be read before this transaction's own rows go in.
+        trim = head is not None and self.policy.trim_heap_after_history
+        call = asyncio.ensure_future(
+            db._execute(_run_chained, self._chain, db._conn, statements, head, trim, staged.tables)
+        )
+        # Let the call reach the database thread's queue now, in submission order.
+        await asyncio.sleep(0)
+        return _Submitted(staged, head, counters, call)
+
+    async def _finish(self, submitted: _Submitted) -> bool:
+        """Wait for a submitted transaction; on COMMIT, commit its plan and queue its steps."""
+        staged, head, counters = submitted.staged, submitted.head, submitted.counters
+        plan = staged.plan
+        if submitted.call is None:
+            self.ingestor.commit(plan)
+            return True
         try:
-            # aiosqlite has no public "run this function on your thread"; its private
-            # _execute is that, and one call per transaction is the point (see _run_transaction).
-            # History goes first: its mark must be read before this transaction's own rows go in.
-            trim = head is not None and self.policy.trim_heap_after_history
-            await db._execute(_run_transaction, db._conn, statements, head, trim, staged.tables)
-        except (sqlite3.Error, OSError) as exc:
-            log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
+            await submitted.call
+        except (sqlite3.Error, OSError, _Skipped) as exc:
+            if isinstance(exc, _Skipped):
+                log.error("write of %d batches skipped behind a failed one, not acknowledged", len(staged.work))
+            else:
+                log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
             self.ingestor.rollback(plan)
             self._history_written(head, False)
+            self._stored_counters = None  # what was stored is unknown: store them next time
             return False
+        finally:
+            self._in_flight -= 1
+            adds = (plan.rows_stored, plan.duplicates_discarded, plan.bad_bodies, plan.partials_refused)
+            for name, add in zip(_PLAN_COUNTERS, adds, strict=True):
+                self._uncommitted[name] -= add
         self._history_written(head, True)
         self.ingestor.commit(plan)
-        self.counters.rows_stored = counters["rows_stored"]
-        self.counters.duplicates_discarded = counters["duplicates_discarded"]
-        self.counters.bad_bodies = counters["bad_bodies"]
-        self.counters.partials_refused = counters["partials_refused"]
-        self._stored_counters = counters
+        for name in _PLAN_COUNTERS:
+            setattr(self.counters, name, counters[name])
         if plan.steps_by_rank:
             # Every rank with steps in this plan has its state in the plan's high-water marks.
             by_id = {s.rank_id: s for s in plan.high_water.values()}
