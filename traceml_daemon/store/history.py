@@ -23,7 +23,10 @@ Writing side (pure, used by ``StoreWriter`` and by ``bench/history.py``):
     conn.executemany(RANK_UPSERT, rank_rows(deltas)) # merge in SQL
 
 The writer calls the column-list forms (``add_rank_deltas``, ``offer_columns``:
-columns in ``HISTORY_COLUMNS`` order) one rank at a time. Everything is exact and
+columns in ``HISTORY_COLUMNS`` order) one rank at a time; for batches whose agent
+sent history partials (``traceml_wire/history.py``: the finest buckets of its own
+steps, computed by the same code) it merges those instead (``merge_fine``,
+``add_fine_deltas``) and folds only the rows that came without. Everything is exact and
 order-free (integer sums, min, max), so how steps are split into folds never
 changes what is stored, and the reservoir's draws are a pure function of the
 position, so neither does its sample.

@@ -394,6 +394,7 @@ class StoreWriter:
         self._chain = _Chain()
         self._next_retention = 0.0
         self._retention_behind = False  # the last pass ran out of budget (see enforce_retention)
+        self._retention_running = False
         # open() pauses automatic collection until close() (see IngestPolicy.gc_interval_s).
         self._gc_pause = contextlib.ExitStack()
         self._next_gc = float("inf")
@@ -641,9 +642,15 @@ class StoreWriter:
     async def maybe_enforce_retention(self) -> None:
         """After a transaction: a retention pass when one is due (every ``interval_s``)
         or when the last pass ran out of budget with work left."""
-        if self.retention is not None and (self._retention_behind or time.monotonic() >= self._next_retention):
+        due = self._retention_behind or time.monotonic() >= self._next_retention
+        # Two transactions finish close together now: one pass at a time.
+        if self.retention is not None and due and not self._retention_running:
             self._next_retention = time.monotonic() + self.retention.interval_s
-            await self.enforce_retention()
+            self._retention_running = True
+            try:
+                await self.enforce_retention()
+            finally:
+                self._retention_running = False
 
     async def enforce_retention(self) -> int:
         """One bounded retention pass; returns raw rows deleted. A pass that ran out of
