@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -154,25 +155,27 @@ class DaemonServer:
             # Bound before the TaskGroup so a busy port is a plain OSError, not an ExceptionGroup.
             server = await self._listen()
             metrics = await self._start_metrics(server)
-            async with server, metrics or contextlib.nullcontext(), asyncio.TaskGroup() as tg:
-                self._tg = tg
+            async with server, metrics or contextlib.nullcontext():
                 await server.start_serving()
-                port = server.sockets[0].getsockname()[1]
-                self.bound = (self.config.host, port)
-                print(f"listening on {self.config.host}:{port}", flush=True)
-                log.info("listening on %s:%d (db %s)", self.config.host, port, self.config.db_path)
-                writer_task = tg.create_task(self.writer.run(self.queue))
-                memdebug = self._start_memdebug(tg)
-                await stop.wait()
-                log.info("stopping: draining %d queued batches", len(self.queue))
-                server.close()
-                await self.queue.close()  # handlers blocked in put() give up; those batches were never acked
-                await writer_task
-                if memdebug is not None:
-                    memdebug.cancel()
-                # Handlers are parked on reads; end them now that nothing more can be stored.
-                for task in list(self._conns):
-                    task.cancel()
+                # Before the TaskGroup, so a failed listen is a plain OSError too.
+                port = _listening_port(server)
+                async with asyncio.TaskGroup() as tg:
+                    self._tg = tg
+                    self.bound = (self.config.host, port)
+                    print(f"listening on {self.config.host}:{port}", flush=True)
+                    log.info("listening on %s:%d (db %s)", self.config.host, port, self.config.db_path)
+                    writer_task = tg.create_task(self.writer.run(self.queue))
+                    memdebug = self._start_memdebug(tg)
+                    await stop.wait()
+                    log.info("stopping: draining %d queued batches", len(self.queue))
+                    server.close()
+                    await self.queue.close()  # handlers blocked in put() give up; those batches were never acked
+                    await writer_task
+                    if memdebug is not None:
+                        memdebug.cancel()
+                    # Handlers are parked on reads; end them now that nothing more can be stored.
+                    for task in list(self._conns):
+                        task.cancel()
         finally:
             self._tg = None
             await self.writer.close()
@@ -226,7 +229,12 @@ class DaemonServer:
         except OSError as exc:
             server.close()
             raise OSError(exc.errno, f"metrics endpoint {host}:{self.config.metrics_port}: {exc.strerror}") from None
-        port = metrics.sockets[0].getsockname()[1]
+        try:
+            port = _listening_port(metrics)
+        except OSError as exc:
+            metrics.close()
+            server.close()
+            raise OSError(exc.errno, f"metrics endpoint {host}:{self.config.metrics_port}: {exc.strerror}") from None
         print(f"metrics on http://{host}:{port}/metrics", flush=True)
         return metrics
 
@@ -497,6 +505,17 @@ class DaemonServer:
         except QueueClosed:
             return False
         return True
+
+
+def _listening_port(server: asyncio.Server | _TLSListener) -> int:
+    """The port ``server`` listens on. uvloop binds in create_server but listens in
+    start_serving, and a listen that fails there (another process began listening on
+    the port in between) only closes the socket, leaving None in ``sockets``."""
+    sockets = server.sockets
+    if not sockets or sockets[0] is None:
+        raise OSError(errno.EADDRINUSE, "the port was bound but could not be listened on; is another process "
+                      "listening on it? Choose another --port")
+    return int(sockets[0].getsockname()[1])
 
 
 async def run_server(config: ServerConfig) -> int:

@@ -24,10 +24,20 @@ EXAMPLES = REPO / "examples"
 T = TypeVar("T")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this test process: the kernel may
+    offer the same free port twice in a row, and a test asking for two (a daemon's and
+    its metrics endpoint's) then got one port for both."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def base_env(**extra: str) -> dict[str, str]:

@@ -73,3 +73,19 @@ def test_byte_and_count_limits_must_be_positive(tmp_path: Path) -> None:
         assert done.returncode == 2, flag
         assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not db.exists()
+
+
+def test_a_port_taken_between_bind_and_listen_is_a_clear_error(tmp_path: Path) -> None:
+    """The daemon binds its port, then starts the metrics endpoint, then listens. Given
+    the same port for both, the endpoint takes it in between (both sockets reuse the
+    address), and uvloop's failed listen only closes the daemon's socket: that used to
+    end in an AttributeError traceback (a test picking two free ports once got the same
+    one twice). Now it is a one-line error naming the port, and exit status 1."""
+    from tests.support.procs import free_port
+
+    port = str(free_port())
+    done = run_cli("serve", "--port", port, "--metrics-port", port, "--db", str(tmp_path / "run.db"))
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "another process" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
