@@ -8,7 +8,9 @@ import random
 import sqlite3
 import sys
 from pathlib import Path
+from typing import Any
 
+from traceml_daemon.store.schema import MIGRATIONS
 from traceml_wire.tables import columns, decode_body
 
 _SPEC = importlib.util.spec_from_file_location("bench_ingest", Path(__file__).parents[2] / "bench" / "ingest.py")
@@ -41,8 +43,26 @@ def test_a_simulated_flush_holds_the_steps_the_baseline_inserts_for_it() -> None
 def test_baseline_rows_fit_the_schema_the_daemon_writes(tmp_path: Path) -> None:
     rows = bench_ingest.baseline_rows(500, ranks=8, steps_per_flush=10)
     conn = sqlite3.connect(tmp_path / "check.db")
-    for stmt in bench_ingest.MIGRATIONS[0]:
+    for stmt in MIGRATIONS[0]:
         conn.execute(stmt)
     cols = ("rank_id",) + columns("steps")
     conn.executemany(f"INSERT INTO steps ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", rows)
     assert conn.execute("SELECT count(*), count(DISTINCT rank_id), max(step) FROM steps").fetchone() == (500, 8, 69)
+
+
+def test_the_baseline_writes_into_the_daemons_current_schema(tmp_path: Path, monkeypatch: Any) -> None:
+    from traceml_daemon.store.schema import SCHEMA_VERSION
+
+    made: list[tuple[int, set[str]]] = []
+    real_migrate = bench_ingest.migrate
+
+    def checked_migrate(path: str) -> None:
+        real_migrate(path)
+        with sqlite3.connect(path) as conn:
+            version = int(conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+            indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE tbl_name='steps' AND type='index'")}
+        made.append((version, indexes))
+
+    monkeypatch.setattr(bench_ingest, "migrate", checked_migrate)
+    assert bench_ingest.sqlite_baseline(2_000, tmp_path, ranks=8, steps_per_flush=10) > 0
+    assert made == [(SCHEMA_VERSION, {"steps_by_group"})]
