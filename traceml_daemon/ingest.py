@@ -101,7 +101,8 @@ class Plan:
         )
 
     def rows(self, table: str) -> list[tuple[Any, ...]]:
-        """The rows of ``table`` as tuples (tests and tools; the writer binds ``flat``)."""
+        """The rows of ``table`` as tuples (tests and tools; the writer binds the same
+        values, flattened by ``row_major``)."""
         flat = row_major(self.chunks[table])[0] if table in self.chunks else []
         width = 1 + len(TABLE_COLUMNS[table])
         return [tuple(flat[at : at + width]) for at in range(0, len(flat), width)]
