@@ -289,8 +289,14 @@ class _Submitted:
     finished: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-# The daemon counters a plan adds to (the rest are counted live by the server).
+# The daemon counters a plan adds to, each a Plan field of the same name (the rest are
+# counted live by the server).
 _PLAN_COUNTERS = ("rows_stored", "duplicates_discarded", "bad_bodies", "partials_refused")
+
+
+def _plan_adds(plan: Plan) -> list[int]:
+    """What ``plan`` adds to each of ``_PLAN_COUNTERS``."""
+    return [getattr(plan, name) for name in _PLAN_COUNTERS]
 
 
 HISTORY_MARK = "history_steps_rowid"
@@ -673,12 +679,13 @@ class StoreWriter:
 
         A batch whose connection has failed since it was queued is dropped, not
         acknowledged: its relay resends it, after the failed one, on a new connection."""
-        dead = [item for item in work if item.live is not None and not item.live()]
-        if dead:
-            for item in dead:
-                if item.done is not None:
-                    item.done(False)
-            work = [item for item in work if item.live is None or item.live()]
+        kept: list[WorkItem] = []
+        for item in work:
+            if item.live is None or item.live():
+                kept.append(item)
+            elif item.done is not None:
+                item.done(False)
+        work = kept
         plan = Plan()
         now = time.time()
         for item in work:
@@ -719,7 +726,7 @@ class StoreWriter:
             await self.before_write()
         plan = staged.plan
         counters = self.counters.as_dict()
-        adds = (plan.rows_stored, plan.duplicates_discarded, plan.bad_bodies, plan.partials_refused)
+        adds = _plan_adds(plan)
         for name, add in zip(_PLAN_COUNTERS, adds, strict=True):
             counters[name] += self._uncommitted[name] + add
         # History's fold reads the backlog, which holds committed steps only: with a
@@ -776,8 +783,7 @@ class StoreWriter:
             return False
         finally:
             self._in_flight -= 1
-            adds = (plan.rows_stored, plan.duplicates_discarded, plan.bad_bodies, plan.partials_refused)
-            for name, add in zip(_PLAN_COUNTERS, adds, strict=True):
+            for name, add in zip(_PLAN_COUNTERS, _plan_adds(plan), strict=True):
                 self._uncommitted[name] -= add
         self._history_written(head, True)
         self.ingestor.commit(plan)
