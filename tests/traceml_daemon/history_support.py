@@ -1,4 +1,4 @@
-"""Shared builders for the history, retention and migration tests."""
+"""Shared builders for the store tests: history, retention, migrations, failed writes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
+from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.schema import HISTORY_METRICS
 from traceml_daemon.store.writer import WorkItem
 from traceml_wire.tables import PHASES, encode_body
@@ -51,3 +52,15 @@ def stored_buckets(conn: sqlite3.Connection, level: int) -> dict[tuple[int, int]
 
 def ro(db: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+
+
+def failing_inserts(db: Path, table: str, when: str = "1") -> sqlite3.Connection:
+    """A migrated database at ``db`` where every INSERT into ``table`` whose row matches
+    ``when`` (SQL over NEW) fails inside SQLite (a real error, rolling the transaction
+    back) while meta 'fail' is '1'. Returns an autocommit connection: set it to '0' to heal."""
+    migrate(str(db))
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("INSERT INTO meta VALUES ('fail', '1')")
+    conn.execute(f"CREATE TRIGGER fail_{table} BEFORE INSERT ON {table} WHEN ({when}) "
+                 "AND (SELECT value FROM meta WHERE key='fail')='1' BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    return conn

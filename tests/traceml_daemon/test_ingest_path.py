@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
+from tests.traceml_daemon.history_support import batch, failing_inserts, raw_buckets, ro, stored_buckets
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.acks import AckWriter
 from traceml_daemon.aggregates import FOLD_ROWS, Aggregates
@@ -300,16 +300,9 @@ def test_a_transaction_queued_behind_a_failed_one_is_not_committed_and_resending
     acknowledged is resent, and every row ends up stored exactly once, with the stored
     counter equal to the rows."""
     import dataclasses
-    import sqlite3
-
-    from traceml_daemon.store.migrate import migrate
 
     db = tmp_path / "f.db"
-    migrate(str(db))
-    conn = sqlite3.connect(db, isolation_level=None)
-    conn.execute("INSERT INTO meta VALUES ('fail', '1')")
-    conn.execute("CREATE TRIGGER fail_step BEFORE INSERT ON steps WHEN NEW.step = 15 "
-                 "AND (SELECT value FROM meta WHERE key='fail')='1' BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    conn = failing_inserts(db, "steps", when="NEW.step = 15")  # in transaction 2
     acked: dict[int, bool] = {}
     connection_failed = [False]  # as the server's AckWriter: closed at the first failure
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.traceml_daemon.history_support import failing_inserts
 from tests.traceml_daemon.wire_client import RELAY, agent_sender, steps_body
 from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.inbound import ByteQueue
@@ -155,12 +156,7 @@ def test_drops_rows_are_stored_when_a_counter_changes_not_when_it_repeats(tmp_pa
 
 def test_a_failed_write_does_not_lose_the_drops_rows_of_its_resent_batches(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
-    migrate(str(db))
-    conn = sqlite3.connect(db, isolation_level=None)
-    conn.execute("INSERT INTO meta VALUES ('fail', '1')")
-    # A real SQLite error inside the transaction while the flag is set.
-    conn.execute("CREATE TRIGGER fail_writes BEFORE INSERT ON drops WHEN (SELECT value FROM meta WHERE key='fail')='1' "
-                 "BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    conn = failing_inserts(db, "drops")  # a real SQLite error inside the transaction while the flag is set
     body = encode_body({"drops": {"ts": [1.0], "source": ["steps_dropped"], "count": [4]}})
 
     async def go() -> None:
