@@ -184,6 +184,32 @@ def test_multi_row_statements_insert_the_same_rows() -> None:
     assert conn.execute("SELECT a, b, c FROM t ORDER BY rowid").fetchall() == rows
 
 
+def test_chunk_statements_insert_every_batch_row_in_order_across_statement_bounds() -> None:
+    import sqlite3
+
+    from traceml_daemon.store.writer import ROWS_PER_STATEMENT, chunk_statements
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (rank_id, a, b, c)")
+    # Batches smaller and larger than a statement, so statements start and end inside
+    # batches and span several; tuples as decoded and a list (a filled column) alike.
+    sizes = [1, ROWS_PER_STATEMENT - 3, 5, 2 * ROWS_PER_STATEMENT + 7, 2, ROWS_PER_STATEMENT]
+    chunks: list[tuple[int, list]] = []
+    expected: list[tuple] = []
+    for rank_id, n in enumerate(sizes, 100):
+        a = tuple(range(rank_id * 10_000, rank_id * 10_000 + n))
+        b = [f"s{v}" for v in a]
+        c = tuple(v / 4 if v % 3 else None for v in a)
+        chunks.append((rank_id, [a, b, c]))
+        expected += [(rank_id, *row) for row in zip(a, b, c, strict=True)]
+    statements = chunk_statements(("INSERT INTO t (rank_id, a, b, c)", "", 4), chunks)
+    assert len(statements) > len(sizes) // 2
+    for sql, params in statements:
+        conn.execute(sql, params)
+    assert conn.execute("SELECT rank_id, a, b, c FROM t ORDER BY rowid").fetchall() == expected
+    assert chunk_statements(("INSERT INTO t (rank_id, a, b, c)", "", 4), []) == []
+
+
 def test_ring_skips_none_and_keeps_the_newest_measured_values() -> None:
     ring = Ring(3, "q")
     ring.extend([1, None, 2])

@@ -66,7 +66,7 @@ from traceml_daemon.aggregates import Aggregates
 from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX, Counters
 from traceml_daemon.gc_pause import gc_paused
 from traceml_daemon.inbound import ByteQueue
-from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState, row_major
+from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState
 from traceml_daemon.store import history
 from traceml_daemon.store.backlog import StepBacklog
 from traceml_daemon.store.migrate import migrate
@@ -196,9 +196,42 @@ _EXACT_PARTS: history.SqlParts = (
 )
 
 
+def chunk_statements(parts: history.SqlParts, chunks: list[tuple[int, list[Column]]]) -> list[Statement]:
+    """Statements inserting every row of ``chunks`` ((rank_id, columns) per batch, in
+    order): each row is the rank id, then its columns' values.
+
+    Each statement's parameters are one list, filled by strided slice assignment
+    (one C-level pass per column and batch piece): every value is copied once, where
+    zipping rows into tuples, flattening them and slicing that per statement copied
+    it three times (2x the time, ~190 against ~95 ns a 15-column row)."""
+    head, tail, width = parts
+    counts = [len(cols[0]) for _, cols in chunks]
+    out: list[Statement] = []
+    at_chunk = 0  # the batch the next row comes from, and where in it
+    at_row = 0
+    for size in _statement_sizes(width, sum(counts)):
+        params: list[Any] = [None] * (size * width)
+        filled = 0
+        while filled < size:
+            rank_id, cols = chunks[at_chunk]
+            take = min(size - filled, counts[at_chunk] - at_row)
+            start = filled * width
+            stop = start + take * width
+            params[start:stop:width] = [rank_id] * take
+            whole = at_row == 0 and take == counts[at_chunk]
+            for offset, col in enumerate(cols, 1):
+                params[start + offset : stop : width] = col if whole else col[at_row : at_row + take]
+            filled += take
+            at_row += take
+            if at_row == counts[at_chunk]:
+                at_chunk += 1
+                at_row = 0
+        out.append((_values_sql(head, tail, width, size), params))
+    return out
+
+
 def _table_statements(table: str, chunks: list[tuple[int, list[Column]]]) -> list[Statement]:
-    flat, nrows = row_major(chunks)
-    return multi_row(_TABLE_PARTS[table], flat, nrows)
+    return chunk_statements(_TABLE_PARTS[table], chunks)
 
 
 @functools.cache
