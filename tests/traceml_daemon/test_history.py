@@ -292,6 +292,32 @@ def test_long_runs_fold_exactly_whatever_the_column_holds() -> None:
     assert all((a is None) == (b is None) for key in expected for a, b in zip(got[key], expected[key], strict=True))
 
 
+def test_reservoir_includes_every_position_and_fills_every_slot_alike() -> None:
+    """Uniform: over many ranks (independent draws), each tenth of a run's points is in
+    the final samples as often as any other, and replacements land on every slot alike
+    (the slot hash is the low bits of the two uniforms' words)."""
+    k, total, ranks = 64, 4096, 400
+    columns = [list(range(total)) for _ in history.HISTORY_COLUMNS]
+    sampler, update = history.Reservoir(size=k), history.ReservoirUpdate()
+    for rank_id in range(ranks):
+        for start in range(0, total, 512):
+            sampler.offer_columns(rank_id, [c[start : start + 512] for c in columns], update)
+    kept = [row[2] for (_, slot), row in update.rows.items() if slot != LATEST_SLOT]
+    assert len(kept) == k * ranks
+    per_tenth = [0] * 10
+    for step in kept:
+        per_tenth[step * 10 // total] += 1
+    expected = k * ranks / 10  # 2,560 each, standard deviation ~48
+    assert all(abs(n - expected) < 0.08 * expected for n in per_tenth), per_tenth
+    # Where replacements go: every slot alike, for a sample size that is not a power of two.
+    for size in (64, 100):
+        per_slot = [0] * size
+        for position in range(200_000):
+            per_slot[history.Reservoir._draws(3, position)[2] % size] += 1
+        mean = 200_000 / size  # standard deviation ~1-2% of it
+        assert min(per_slot) > 0.9 * mean and max(per_slot) < 1.1 * mean, (size, min(per_slot), max(per_slot))
+
+
 def test_reservoir_sample_is_the_reference_algorithm_l() -> None:
     """``offer_columns`` inlines ``_draws`` and ``_gap``: the rows and state it leaves
     equal the reference loop's, whatever the chunking of the points."""

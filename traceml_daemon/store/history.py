@@ -84,6 +84,8 @@ def merge_into(acc: Stats, other: Stats) -> None:
 # A rank's history columns: ``HISTORY_COLUMNS`` order, each a sequence over its steps.
 HISTORY_COLUMNS = wire_history.COLUMNS
 Columns = wire_history.Columns
+# Reservoir.offer_columns builds a drawn point's row from the columns by position.
+assert len(HISTORY_COLUMNS) == 9, "Reservoir.offer_columns unpacks exactly the history columns"
 
 
 def _merged(group: Sequence[Stats]) -> Stats:
@@ -253,6 +255,14 @@ _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111
 _LAST = itemgetter(-1)
 
 
+def _slot_bits(x: int, y: int) -> int:
+    """A 22-bit hash for the replaced slot, from the low 11 bits of ``x`` and ``y``:
+    the uniforms use only their top 53 bits, so the slot is independent of them
+    without a third round of mixing (a third of the draw's cost). ``% k`` of it is
+    uniform within k / 2**22 for any sample size."""
+    return (x & 0x7FF) | (y & 0x7FF) << 11
+
+
 def _mix64(x: int) -> int:
     """splitmix64's finaliser: a well-mixed 64-bit hash of ``x`` (inlined in ``offer_columns``)."""
     x = (x + _GOLDEN) & _M64
@@ -297,7 +307,7 @@ class Reservoir:
         state. A splitmix64 hash costs a fraction of seeding a ``random.Random``."""
         x = _mix64(rank_id * 1_000_003 + position)
         y = _mix64(x)
-        return ((x >> 11) + 1) * _TO_UNIT, ((y >> 11) + 1) * _TO_UNIT, _mix64(y)
+        return ((x >> 11) + 1) * _TO_UNIT, ((y >> 11) + 1) * _TO_UNIT, _slot_bits(x, y)
 
     @staticmethod
     def _gap(w: float, u: float) -> int:
@@ -345,6 +355,10 @@ class Reservoir:
             # at 4096 ranks early in a run this loop runs ~20,000 times a second.
             base = rank_id * 1_000_003
             exp, log, log1p = math.exp, math.log, math.log1p
+            # A drawn point's row is built from the columns held in locals: 170 ns a row
+            # against 390 through ``map(itemgetter(i), columns)`` (an itemgetter, a map
+            # and an unpacking per draw), early in a run ~20% of the points are drawn.
+            c0, c1, c2, c3, c4, c5, c6, c7, c8 = columns  # HISTORY_COLUMNS, checked below
             while take < end:
                 x = (base + take + _GOLDEN) & _M64
                 x = ((x ^ (x >> 30)) * _MIX1) & _M64
@@ -354,12 +368,10 @@ class Reservoir:
                 y = ((y ^ (y >> 30)) * _MIX1) & _M64
                 y = ((y ^ (y >> 27)) * _MIX2) & _M64
                 y ^= y >> 31
-                h = (y + _GOLDEN) & _M64
-                h = ((h ^ (h >> 30)) * _MIX1) & _M64
-                h = ((h ^ (h >> 27)) * _MIX2) & _M64
-                slot = (h ^ (h >> 31)) % k
+                slot = ((x & 0x7FF) | (y & 0x7FF) << 11) % k  # _slot_bits
                 # Only the drawn point is made a row (a 3333-step batch has a handful of draws).
-                rows[(rank_id, slot)] = (rank_id, slot, *map(itemgetter(take - start), columns))
+                i = take - start
+                rows[(rank_id, slot)] = (rank_id, slot, c0[i], c1[i], c2[i], c3[i], c4[i], c5[i], c6[i], c7[i], c8[i])
                 w *= exp(log(((x >> 11) + 1) * _TO_UNIT) / k)
                 take += 1 if w >= 1.0 else int(log(((y >> 11) + 1) * _TO_UNIT) / log1p(-w)) + 1
             state.w, state.next_take = w, take
