@@ -110,7 +110,7 @@ class WorkItem:
 
 # sqlite >= 3.32 allows 32766 bound parameters per statement.
 MAX_PARAMS = 32_000
-ROWS_PER_STATEMENT = 1024
+ROWS_PER_STATEMENT = 2048
 
 Statement = tuple[str, Sequence[Any]]  # one multi-row statement and its flat parameters
 _chain = chain.from_iterable
