@@ -7,6 +7,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.traceml_daemon.history_support import batch, failing_inserts, raw_buckets, ro, stored_buckets
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.acks import AckWriter
@@ -217,9 +219,11 @@ def test_ring_skips_none_and_keeps_the_newest_measured_values() -> None:
     assert list(ring) == [2, 3, 4]
 
 
-def test_writer_connection_takes_the_policy_cache_and_checkpoint_sizes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpointer", [True, False])
+def test_writer_connection_takes_the_policy_cache_and_checkpoint_sizes(tmp_path: Path, checkpointer: bool) -> None:
     db = tmp_path / "p.db"
-    policy = IngestPolicy(sqlite_cache_kib=12_345, wal_autocheckpoint_pages=4321)
+    interval = 0.1 if checkpointer else 0.0
+    policy = IngestPolicy(sqlite_cache_kib=12_345, wal_autocheckpoint_pages=4321, checkpoint_interval_s=interval)
 
     async def run() -> tuple[int, int, int]:
         writer = StoreWriter(str(db), policy=policy)
@@ -233,8 +237,9 @@ def test_writer_connection_takes_the_policy_cache_and_checkpoint_sizes(tmp_path:
         await writer.close()
         return cache, checkpoint, ro(db).execute("SELECT count(*) FROM steps").fetchone()[0]
 
-    # A negative cache_size is KiB; the rows still land.
-    assert asyncio.run(run()) == (-12_345, 4321, 10)
+    # A negative cache_size is KiB; the rows still land. With the checkpointer thread the
+    # writer's own automatic checkpoint is the backstop, at twice the cadence.
+    assert asyncio.run(run()) == (-12_345, 8642 if checkpointer else 4321, 10)
 
 
 def test_next_transaction_is_staged_and_handed_over_while_the_previous_one_is_written(tmp_path: Path) -> None:

@@ -92,6 +92,11 @@ class IngestPolicy:
     # larger WAL copies each page once per checkpoint however often it was rewritten.
     # The WAL file grows to about this many pages (x 4 KiB) before it is reused.
     wal_autocheckpoint_pages: int = 16_384
+    # A thread of the writer's copies the WAL back at that cadence instead
+    # (store/checkpointer.py), off the writer's database thread, looking this often;
+    # the writer's own automatic checkpoint then waits for twice as many pages, as a
+    # backstop. 0: no thread; the writer checkpoints inside its COMMIT, as SQLite does.
+    checkpoint_interval_s: float = 0.1
 
     # The reservoir (store/history.py: a uniform sample of each rank's steps for
     # whole-run medians) holds at most this many points over all the ranks of a job,
@@ -114,11 +119,18 @@ class IngestPolicy:
         floor = min(self.reservoir_min_size, RESERVOIR_SIZE)
         return max(floor, min(RESERVOIR_SIZE, share))
 
+    @property
+    def writer_autocheckpoint_pages(self) -> int:
+        """The writer connection's automatic checkpoint: the backstop behind the
+        checkpointer thread when there is one."""
+        backstop = 2 if self.checkpoint_interval_s > 0 else 1
+        return backstop * self.wal_autocheckpoint_pages
+
     def writer_pragmas(self) -> list[str]:
         """Connection settings of the writer on top of ``schema.PRAGMAS``."""
         return [
             f"PRAGMA cache_size=-{self.sqlite_cache_kib}",
-            f"PRAGMA wal_autocheckpoint={self.wal_autocheckpoint_pages}",
+            f"PRAGMA wal_autocheckpoint={self.writer_autocheckpoint_pages}",
         ]
 
     def history_backlog_rows_for(self, ranks: int) -> int:

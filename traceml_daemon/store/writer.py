@@ -69,6 +69,7 @@ from traceml_daemon.inbound import ByteQueue
 from traceml_daemon.ingest import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan, RankState
 from traceml_daemon.store import history
 from traceml_daemon.store.backlog import StepBacklog
+from traceml_daemon.store.checkpointer import Checkpointer
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.policy import DEFAULT_POLICY, IngestPolicy
 from traceml_daemon.store.retention import RetentionPolicy, enforce
@@ -417,6 +418,7 @@ class StoreWriter:
         self.coalesce_s = self.policy.coalesce_s
         self.ingestor = Ingestor()
         self.reservoir = history.Reservoir()
+        self.checkpointer = Checkpointer(path, self.policy.checkpoint_interval_s, self.policy.wal_autocheckpoint_pages)
         # Committed steps not folded yet, and history folded but not written yet
         # (a failed write keeps it for the next one).
         self.backlog = StepBacklog()
@@ -455,6 +457,7 @@ class StoreWriter:
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
             await self._db.execute(pragma)
+        self.checkpointer.start()
         known: dict[str, RankState] = {}
         top = 0
         async with self._db.execute(
@@ -593,6 +596,7 @@ class StoreWriter:
         if self._db is not None:
             await self.write([])  # persist the final counters
             await self._flush_history_now()
+            await asyncio.to_thread(self.checkpointer.stop)
             await self._db.close()
             self._db = None
         self._next_gc = float("inf")
