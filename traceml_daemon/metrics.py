@@ -76,6 +76,8 @@ class MetricsSnapshot:
     verdicts: list[VerdictMetric] = field(default_factory=list)
     delivery: dict[str, int] = field(default_factory=dict)  # daemon counters: name -> cumulative value
     relay: dict[str, int] = field(default_factory=dict)  # relay stats summed over relays: name -> value
+    # This daemon process's own counters since it started (its WAL checkpointer's): name -> value.
+    process: dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- render
@@ -204,6 +206,10 @@ def _delivery_families(snapshot: MetricsSnapshot) -> list[_Family]:
     for name, value in sorted(snapshot.relay.items()):
         relay.add({"counter": name}, value)
     out.append(relay)
+    process = _Family("daemon_process", "counter", "Counters of this daemon process since it started.")
+    for name, value in sorted(snapshot.process.items()):
+        process.add({"counter": name}, value)
+    out.append(process)
     return out
 
 

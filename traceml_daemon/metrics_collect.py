@@ -20,6 +20,7 @@ import asyncio
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,10 +184,18 @@ def _rank_metrics(ranks: list[RankSnapshot], identity: dict[int, _Identity]) -> 
 class MetricsCollector:
     """Snapshots for ``/metrics``: live windows every scrape, the database at most every ``refresh_s``."""
 
-    def __init__(self, db_path: str, aggregates: Aggregates, counters: Counters, refresh_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        db_path: str,
+        aggregates: Aggregates,
+        counters: Counters,
+        refresh_s: float = 2.0,
+        process_counters: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.db_path = db_path
         self.aggregates = aggregates
         self.counters = counters
+        self.process_counters = process_counters  # the daemon process's own (WAL checkpoints)
         self.refresh_s = refresh_s
         self._db = _DbState()
         self._db_at: float | None = None
@@ -219,6 +228,7 @@ class MetricsCollector:
                 "batches_dropped_reported": db.batches_dropped_reported,
             },
             relay=db.relay,
+            process=self.process_counters() if self.process_counters is not None else {},
         )
 
     async def render(self) -> str:

@@ -223,7 +223,9 @@ class DaemonServer:
         from traceml_daemon.metrics_collect import MetricsCollector
 
         host = self.config.metrics_host
-        collector = MetricsCollector(self.config.db_path, self.aggregates, self.counters)
+        collector = MetricsCollector(
+            self.config.db_path, self.aggregates, self.counters, process_counters=self.writer.checkpointer.statistics
+        )
         try:
             metrics = await start_metrics_server(host, self.config.metrics_port, collector.render)
         except OSError as exc:

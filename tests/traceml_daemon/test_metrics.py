@@ -57,6 +57,7 @@ def snapshot() -> MetricsSnapshot:
         ],
         delivery={"frames_received": 12, "rows_stored": 900, "duplicates_discarded": 2, "rows_dropped_reported": 5},
         relay={"dropped_batches": 3, "spooled_batches": 7},
+        process={"checkpoints": 4, "checkpoint_frames": 65_536},
     )
 
 
@@ -96,6 +97,9 @@ def test_renderer_output_parses_with_escaped_labels_units_and_no_fake_zeros() ->
     assert samples(fams, "traceml_rows_dropped_reported")[0].value == 5
     relay = {s.labels["counter"]: s.value for s in samples(fams, "traceml_relay_delivery")}
     assert relay == {"dropped_batches": 3, "spooled_batches": 7}
+    process = {s.labels["counter"]: (s.name, s.value) for s in samples(fams, "traceml_daemon_process")}
+    assert process == {"checkpoints": ("traceml_daemon_process_total", 4),
+                       "checkpoint_frames": ("traceml_daemon_process_total", 65_536)}
 
 
 def test_empty_snapshot_is_a_valid_exposition() -> None:
@@ -204,3 +208,6 @@ def test_scrape_real_daemon_during_real_torchrun_job(tmp_path: Path) -> None:
     assert [s.labels for s in cpu] == [{"session": session, "node": "0"}]
     assert samples(fams, "traceml_rows_stored")[0].value > 0
     assert samples(fams, "traceml_frames_received")[0].value > 0
+    # The WAL checkpointer's counters, whether or not a checkpoint was due in so short a job.
+    checkpointer = {s.labels["counter"] for s in samples(fams, "traceml_daemon_process")}
+    assert checkpointer == {"checkpoints", "checkpoint_frames", "checkpoint_errors"}
