@@ -457,7 +457,6 @@ class StoreWriter:
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
             await self._db.execute(pragma)
-        self.checkpointer.start()
         known: dict[str, RankState] = {}
         top = 0
         async with self._db.execute(
@@ -476,6 +475,7 @@ class StoreWriter:
         self.counters.load(stored)
         self._stored_counters = dict(stored)
         await self._catch_up_history()
+        self.checkpointer.start()  # last: an open() that failed leaves no thread behind
 
     async def _catch_up_history(self) -> None:
         """Fold the steps a crash left out of history (rowid above the mark), and write them.
