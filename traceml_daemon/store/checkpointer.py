@@ -20,9 +20,11 @@ tick would copy the pages every commit rewrites, index tails, many times over).
 After a checkpoint, the frames committed while it ran are copied at the next
 ticks, so that the WAL is soon fully copied between two of the writer's
 transactions: the writer's next transaction then starts the WAL file over
-from its beginning (SQLite's WAL restart) and the file keeps its size. The
-writer's own automatic checkpoint stays on, at twice ``frames``, as the
-backstop (the thread stopped, or a reader that holds old frames).
+from its beginning (SQLite's WAL restart). The writer's own automatic
+checkpoint stays on, at twice ``frames``, as the backstop (the thread
+stopped, or a reader that holds old frames), so the file stays under about
+twice the size inline checkpoints keep it at (1024 ranks saturated: 132 MB
+against 64-76 MB; it is reused, not grown, after that).
 
 Whether pages wait is read from the WAL-index header in the ``-shm`` file
 (``mxFrame`` and ``nBackfill``, https://www.sqlite.org/walformat.html): a 132-byte
