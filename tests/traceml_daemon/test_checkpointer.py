@@ -142,6 +142,15 @@ def test_the_store_writer_checkpoints_on_the_thread_and_stops_it_at_close(tmp_pa
     assert ro(db).execute("SELECT count(*) FROM steps").fetchone() == (2400,)
 
 
+def test_progress_is_none_without_a_wal_index_file(tmp_path: Path) -> None:
+    cp = Checkpointer(str(tmp_path / "absent.db"), interval_s=0.1, frames=1)
+    assert cp.read_progress() is None and not cp.due(cp.read_progress())
+    db = tmp_path / "w.db"
+    conn = _wal_db(db)
+    _commit_pages(conn)
+    assert Checkpointer(str(db), interval_s=0.1, frames=1).read_progress() == _progress(db)
+
+
 def test_no_thread_when_the_interval_is_zero(tmp_path: Path) -> None:
     cp = Checkpointer(str(tmp_path / "x.db"), interval_s=0, frames=1)
     cp.start()

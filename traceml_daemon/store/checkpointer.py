@@ -129,16 +129,19 @@ class Checkpointer:
         self._catching_up = True
         self.frames_copied += max(0, copied)
 
-    def _read_progress(self, fd: int | None) -> tuple[tuple[int, int] | None, int | None]:
-        """The WAL's progress and the ``-shm`` descriptor (opened on first need)."""
+    def read_progress(self) -> tuple[int, int] | None:
+        """The WAL's progress from the ``-shm`` file, opened afresh each time (three
+        system calls a tick), so a file SQLite deleted and made anew is the one read."""
         try:
-            if fd is None:
-                fd = os.open(self.path + "-shm", os.O_RDONLY)
-            return wal_progress(os.pread(fd, _HEADER_BYTES, 0)), fd
+            fd = os.open(self.path + "-shm", os.O_RDONLY)
         except OSError:
-            if fd is not None:
-                os.close(fd)
-            return None, None
+            return None
+        try:
+            return wal_progress(os.pread(fd, _HEADER_BYTES, 0))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def _run(self) -> None:
         try:
@@ -147,13 +150,9 @@ class Checkpointer:
             self.errors += 1
             log.warning("WAL checkpointer could not open %s: %s", self.path, exc)
             return
-        fd: int | None = None
         try:
             while not self._stop.wait(self.interval_s):
-                progress, fd = self._read_progress(fd)
-                if self.due(progress):
+                if self.due(self.read_progress()):
                     self.checkpoint(conn)
         finally:
-            if fd is not None:
-                os.close(fd)
             conn.close()
