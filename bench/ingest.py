@@ -19,9 +19,9 @@ after the rows are committed. Two modes per R:
   what is unacknowledged (up to 256 MiB) and is paced by the daemon's
   backpressure (the bounded queue pauses reading, TCP then blocks the relay's
   send). A bench relay keeps up to ``--window`` rbatches unacknowledged
-  (default: ``WINDOW_ROWS`` step rows' worth, at least 2: enough to keep the
-  daemon saturated, so the rate is the daemon's capacity, while the run still
-  drains in seconds; 0 removes the cap, and then every socket buffer fills and
+  (default: its share of ``WINDOW_ROWS`` step rows over all the relays, at
+  least 2: enough to keep the daemon saturated, so the rate is the daemon's
+  capacity, while the run still drains in seconds; 0 removes the cap, and then every socket buffer fills and
   a 1024-rank case takes minutes to drain). Latency at saturation is mostly
   time queued. A small window measures the ack round trip instead;
 * ``paced``: every rank flushes once per second (the agent's default) for a
@@ -295,9 +295,17 @@ def _on_ack(seq: int, acked: int, sent_at: dict[int, float], latencies: list[flo
     return max(acked, seq)
 
 
-# Default throughput window: 64 rbatches of 8 ranks' 10-step flushes, enough to keep the
-# daemon busy while the run still drains in seconds; bigger flushes get fewer rbatches.
-WINDOW_ROWS = 5120
+# Default throughput window: this many step rows unacknowledged over all the relays
+# (each relay its share, in rbatches, at least 2): enough that the daemon's queue
+# holds a few full transactions, so it stays saturated, and the run drains in a few
+# seconds. (Until 2026-11-27 it was 5,120 rows per relay. At R=64 with 10 steps a
+# flush, 41k rows in all, the daemon ran at 76-78% of a core and stored 103-107k
+# rows/s, bound by the ack round trip; with this window 104% and 134k (half of it:
+# 102%, 139k). At 512 relays the old rule put 2.6M rows in flight, tens of seconds
+# to drain. Half this window saturated the daemon too, but at R=1024 stored 101k
+# against 113-115k rows/s with this one or the old one: its transactions were not
+# always full.)
+WINDOW_ROWS = 327_680
 BASELINE_MAX_ROWS = 1_000_000  # a throughput case's own rows, up to this many (memory)
 BASELINE_TXN_ROWS = 32_768  # rows per baseline transaction: 5,120 gave ~390k rows/s, 20,480 ~480k, 81,920 ~490k
 
@@ -382,7 +390,7 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int | N
              policy: dict[str, int | float] | None = None, mix: AgentMix | None = None) -> dict:
     mix = dataclasses.replace(mix or AgentMix(), world_size=ranks)
     if window is None:
-        window = max(2, WINDOW_ROWS // (mix.steps_per_flush * max(1, ranks // relays)))
+        window = max(2, WINDOW_ROWS // (relays * mix.steps_per_flush * max(1, ranks // relays)))
     tmp = Path(tempfile.mkdtemp(prefix="traceml-ingest-"))
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -507,7 +515,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="sending time per case")
     p.add_argument("--window", type=int, default=None,
                    help="throughput mode: unacknowledged rbatches per relay at most (0: no cap, like the real relay; "
-                        f"default: {WINDOW_ROWS} step rows' worth, at least 2)")
+                        f"default: {WINDOW_ROWS} step rows' worth over all the relays, at least 2 each)")
     p.add_argument("--modes", nargs="*", default=["throughput", "paced"], choices=["throughput", "paced"])
     p.add_argument("--relays", type=int, default=None,
                    help="relays per case (default R/8; DESIGN.md's 4096-rank scenario is 64)")
