@@ -358,7 +358,7 @@ class Reservoir:
             # A drawn point's row is built from the columns held in locals: 170 ns a row
             # against 390 through ``map(itemgetter(i), columns)`` (an itemgetter, a map
             # and an unpacking per draw), early in a run ~20% of the points are drawn.
-            c0, c1, c2, c3, c4, c5, c6, c7, c8 = columns  # HISTORY_COLUMNS, checked below
+            c0, c1, c2, c3, c4, c5, c6, c7, c8 = columns  # HISTORY_COLUMNS (their count is asserted at import)
             while take < end:
                 x = (base + take + _GOLDEN) & _M64
                 x = ((x ^ (x >> 30)) * _MIX1) & _M64
