@@ -21,8 +21,8 @@ after the rows are committed. Two modes per R:
   send). A bench relay keeps up to ``--window`` rbatches unacknowledged
   (default: its share of ``WINDOW_ROWS`` step rows over all the relays, at
   least 2: enough to keep the daemon saturated, so the rate is the daemon's
-  capacity, while the run still drains in seconds; 0 removes the cap, and then every socket buffer fills and
-  a 1024-rank case takes minutes to drain). Latency at saturation is mostly
+  capacity, while the run still drains in seconds; 0 removes the cap, and then
+  every socket buffer fills and a 1024-rank case takes minutes to drain). Latency at saturation is mostly
   time queued. A small window measures the ack round trip instead;
 * ``paced``: every rank flushes once per second (the agent's default) for a
   while; reports the daemon's CPU (% of one core) and peak RSS.
@@ -339,8 +339,9 @@ def sqlite_baseline(total_rows: int, tmp: Path, ranks: int, steps_per_flush: int
     The schema is the daemon's own (``migrate``: the current version, with its rank-group
     index on steps) and so are the connection settings (``PRAGMAS`` and the writer's
     cache and checkpoint sizes; its checkpoints run in the COMMITs that fill the WAL,
-    as SQLite's automatic checkpoint does, where the daemon's run on a thread). Until 2026-11-27 it was the version-1 schema, with the
-    plain ``(rank_id, step)`` index, and default settings: the same rate within the noise
+    as SQLite's automatic checkpoint does, where the daemon's run on a thread). Until
+    2026-11-27 it was the version-1 schema, with the plain ``(rank_id, step)`` index,
+    and default settings: the same rate within the noise
     (531-541k rows/s against 538-546k, 600,000 rows, 3 alternations), while the current
     schema with default settings was 5-15% slower (464-519k)."""
     db = tmp / "baseline.db"

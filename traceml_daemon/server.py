@@ -226,15 +226,13 @@ class DaemonServer:
         collector = MetricsCollector(
             self.config.db_path, self.aggregates, self.counters, process_counters=self.writer.checkpointer.statistics
         )
+        metrics: asyncio.Server | None = None
         try:
             metrics = await start_metrics_server(host, self.config.metrics_port, collector.render)
-        except OSError as exc:
-            server.close()
-            raise OSError(exc.errno, f"metrics endpoint {host}:{self.config.metrics_port}: {exc.strerror}") from None
-        try:
             port = _listening_port(metrics)
         except OSError as exc:
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
             server.close()
             raise OSError(exc.errno, f"metrics endpoint {host}:{self.config.metrics_port}: {exc.strerror}") from None
         print(f"metrics on http://{host}:{port}/metrics", flush=True)
