@@ -4,7 +4,6 @@ always holds the latest point, and overview reads bounded by the width."""
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import sqlite3
 from pathlib import Path
@@ -134,6 +133,20 @@ def test_history_lost_in_a_crash_is_caught_up_from_raw_rows_on_open(tmp_path: Pa
     asyncio.run(crash_after(batches[3:]))
     conn = ro(db)
     assert conn.execute("SELECT count(*) FROM rank_history").fetchone()[0] < len(raw_buckets(conn, 64))
+    # What the catch-up must continue: the saved sample, offered each rank's points past
+    # its saved count, in commit order, by a sampler loaded from the saved state.
+    sample = "SELECT rank_id, slot, step FROM reservoir ORDER BY 1, 2"
+    expected = {(r, slot): step for r, slot, step in conn.execute(sample)}
+    saved = conn.execute("SELECT rank_id, seen, next_take, w, size FROM reservoir_state").fetchall()
+    sampler, update = history.Reservoir(), history.ReservoirUpdate()
+    sampler.load(saved)
+    for rank_id, seen, *_ in saved:
+        points = conn.execute(
+            f"SELECT {', '.join(history.HISTORY_COLUMNS)} FROM steps WHERE rank_id=? ORDER BY rowid", (rank_id,)
+        ).fetchall()
+        assert 0 < seen < len(points)
+        sampler.offer_columns(rank_id, [list(c) for c in zip(*points[seen:], strict=True)], update)
+    expected.update({key: row[2] for key, row in update.rows.items()})
     conn.close()
     asyncio.run(_write(db, []))  # open catches up, close writes
     conn = ro(db)
@@ -141,11 +154,8 @@ def test_history_lost_in_a_crash_is_caught_up_from_raw_rows_on_open(tmp_path: Pa
         assert stored_buckets(conn, level) == raw_buckets(conn, level), level
     latest = dict(conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=?", (LATEST_SLOT,)).fetchall())
     assert latest == {1: 1_799, 2: 1_799, 3: 1_799}
-    # The sample equals one taken live, without a crash.
-    live = tmp_path / "live.db"
-    asyncio.run(_write(live, batches))
-    sample = "SELECT rank_id, slot, step FROM reservoir ORDER BY 1, 2"
-    assert conn.execute(sample).fetchall() == ro(live).execute(sample).fetchall()
+    assert {(r, slot): step for r, slot, step in conn.execute(sample)} == expected
+    assert conn.execute("SELECT count(*) FROM reservoir").fetchone()[0] == 3 * (RESERVOIR_SIZE + 1)
 
 
 def test_a_history_write_dirties_pages_by_level_not_by_rank(tmp_path: Path) -> None:
@@ -293,9 +303,8 @@ def test_long_runs_fold_exactly_whatever_the_column_holds() -> None:
 
 
 def test_reservoir_includes_every_position_and_fills_every_slot_alike() -> None:
-    """Uniform: over many ranks (independent draws), each tenth of a run's points is in
-    the final samples as often as any other, and replacements land on every slot alike
-    (the slot hash is the low bits of the two uniforms' words)."""
+    """Uniform: over many ranks (independent streams), each tenth of a run's points is in
+    the final samples as often as any other, and replacements land on every slot alike."""
     k, total, ranks = 64, 4096, 400
     columns = [list(range(total)) for _ in history.HISTORY_COLUMNS]
     sampler, update = history.Reservoir(size=k), history.ReservoirUpdate()
@@ -312,39 +321,86 @@ def test_reservoir_includes_every_position_and_fills_every_slot_alike() -> None:
     # Where replacements go: every slot alike, for a sample size that is not a power of two.
     for size in (64, 100):
         per_slot = [0] * size
-        for position in range(200_000):
-            per_slot[history.Reservoir._draws(3, position)[2] % size] += 1
+        stream = history.seeded_stream(3, 0)
+        for _ in range(200_000):
+            per_slot[history.Reservoir._draws(stream)[2] % size] += 1
         mean = 200_000 / size  # standard deviation ~1-2% of it
         assert min(per_slot) > 0.9 * mean and max(per_slot) < 1.1 * mean, (size, min(per_slot), max(per_slot))
 
 
 def test_reservoir_sample_is_the_reference_algorithm_l() -> None:
-    """``offer_columns`` inlines ``_draws`` and ``_gap``: the rows and state it leaves
-    equal the reference loop's, whatever the chunking of the points."""
+    """``offer_columns`` inlines ``_draws`` and ``_gap``: for any chunking of the points,
+    the rows and state it leaves equal the reference loop's, one point at a time, which
+    seeds a rank's stream where each offer that draws starts."""
     k, rank_id, total = 16, 7, 3000
     cols = {name: list(range(j * 10**6, j * 10**6 + total)) for j, name in enumerate(history.HISTORY_COLUMNS)}
     columns = history.history_columns(cols)
-    # The reference: Algorithm L, one point at a time, through _draws and _gap.
-    rows: dict[tuple[int, int], tuple] = {}
-    w, take = 0.0, 0
-    for i in range(total):
-        if i < k:
-            rows[(rank_id, i)] = (rank_id, i, *(c[i] for c in columns))
-            continue
-        if w == 0.0:
-            u1, u2, _ = history.Reservoir._draws(rank_id, -k - 1)
-            w = math.exp(math.log(u1) / k)
-            take = k - 1 + history.Reservoir._gap(w, u2)
-        if i == take:
-            u1, u2, h = history.Reservoir._draws(rank_id, take)
-            rows[(rank_id, h % k)] = (rank_id, h % k, *(c[i] for c in columns))
-            w *= math.exp(math.log(u1) / k)
-            take += history.Reservoir._gap(w, u2)
-    rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *(c[-1] for c in columns))
+
+    def reference(chunk: int) -> tuple[dict[tuple[int, int], tuple], int, float]:
+        rows: dict[tuple[int, int], tuple] = {}
+        w, take = 0.0, 0
+        for start in range(0, total, chunk):
+            end = min(total, start + chunk)
+            if end > k and (w == 0.0 or take < end):
+                stream = history.seeded_stream(rank_id, take)
+            for i in range(start, end):
+                if i < k:
+                    rows[(rank_id, i)] = (rank_id, i, *(c[i] for c in columns))
+                    continue
+                if w == 0.0:
+                    u1, u2, _ = history.Reservoir._draws(stream)
+                    w = u1 ** (1.0 / k)
+                    take = k - 1 + history.Reservoir._gap(w, u2)
+                if i == take:
+                    u1, u2, h = history.Reservoir._draws(stream)
+                    rows[(rank_id, h % k)] = (rank_id, h % k, *(c[i] for c in columns))
+                    w *= u1 ** (1.0 / k)
+                    take += history.Reservoir._gap(w, u2)
+        rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *(c[-1] for c in columns))
+        return rows, take, w
+
     for chunk in (total, 1, 7, 500):
+        rows, take, w = reference(chunk)
         sampler, update = history.Reservoir(size=k), history.ReservoirUpdate()
         for start in range(0, total, chunk):
             sampler.offer_columns(rank_id, [c[start : start + chunk] for c in columns], update)
         assert update.rows == rows, chunk
         state = sampler.states[rank_id]
         assert (state.seen, state.next_take, state.w) == (total, take, w), chunk
+        assert len(rows) == k + 1, chunk
+
+
+def test_reservoir_replays_its_draws_after_a_rollback_or_a_reload() -> None:
+    """A stream starts from the persisted state: a rolled-back offer retried, or the
+    same points offered to a sampler loaded from the saved state, give the same sample
+    as the offer that was never interrupted."""
+    k, rank_id, total = 16, 3, 4000
+    columns = [list(range(total)) for _ in history.HISTORY_COLUMNS]
+    first, rest = [c[:1000] for c in columns], [c[1000:] for c in columns]
+
+    def saved_after_first() -> tuple[history.Reservoir, list[tuple[int, int, int, float, int]]]:
+        sampler, update = history.Reservoir(size=k), history.ReservoirUpdate()
+        sampler.offer_columns(rank_id, first, update)
+        return sampler, history.reservoir_rows(update)[1]
+
+    # Reference: the rest offered to a sampler loaded from the saved state.
+    _, saved = saved_after_first()
+    loaded, expected = history.Reservoir(size=k), history.ReservoirUpdate()
+    loaded.load(saved)
+    loaded.offer_columns(rank_id, rest, expected)
+    # The same, after a failed transaction took the rest and was rolled back.
+    sampler, _ = saved_after_first()
+    sampler.load(saved)  # what the writer's state is once the first transaction committed
+    failed = history.ReservoirUpdate()
+    sampler.offer_columns(rank_id, [c[:1500] for c in rest], failed)
+    sampler.rollback(failed)
+    retried = history.ReservoirUpdate()
+    sampler.offer_columns(rank_id, rest, retried)
+    assert retried.rows == expected.rows
+    assert sampler.states[rank_id] == loaded.states[rank_id]
+    # And a different seed position gives a different sample (the stream is not constant).
+    other = history.Reservoir(size=k)
+    other.load([(rank_id + 1, *saved[0][1:])])
+    moved = history.ReservoirUpdate()
+    other.offer_columns(rank_id + 1, rest, moved)
+    assert [row[2:] for row in moved.rows.values()] != [row[2:] for row in expected.rows.values()]

@@ -28,8 +28,10 @@ sent history partials (``traceml_wire/history.py``: the finest buckets of its ow
 steps, computed by the same code) it merges those instead (``merge_fine``,
 ``add_fine_deltas``) and folds only the rows that came without. Everything is exact and
 order-free (integer sums, min, max), so how steps are split into folds never
-changes what is stored, and the reservoir's draws are a pure function of the
-position, so neither does its sample.
+changes what is stored. The reservoir's sample is uniform however they are
+split, and a pure function of the split: each offer that draws takes a stream
+seeded from the rank and the saved state (``seeded_stream``), so a retried
+transaction or a restarted daemon draws deterministically.
 
 Reading side: ``overview(conn, run, width)`` and the ``*_series`` functions.
 """
@@ -37,6 +39,7 @@ Reading side: ``overview(conn, run, width)`` and the ``*_series`` functions.
 from __future__ import annotations
 
 import math
+import random
 import sqlite3
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -247,28 +250,24 @@ def history_rows(deltas: dict[Any, Stats]) -> list[tuple[Any, ...]]:
 
 # ------------------------------------------------------------------ reservoir
 
-_M64 = (1 << 64) - 1
-_TO_UNIT = 2.0**-53
-
-
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _LAST = itemgetter(-1)
+# Bits drawn for the replaced slot: ``% k`` of them is uniform within k / 2**22.
+_SLOT_BITS = 22
 
 
-def _slot_bits(x: int, y: int) -> int:
-    """A 22-bit hash for the replaced slot, from the low 11 bits of ``x`` and ``y``:
-    the uniforms use only their top 53 bits, so the slot is independent of them
-    without a third round of mixing (a third of the draw's cost). ``% k`` of it is
-    uniform within k / 2**22 for any sample size."""
-    return (x & 0x7FF) | (y & 0x7FF) << 11
+def seeded_stream(rank_id: int, next_take: int) -> random.Random:
+    """The draws of one offer, seeded from the rank and its saved state.
 
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a well-mixed 64-bit hash of ``x`` (inlined in ``offer_columns``)."""
-    x = (x + _GOLDEN) & _M64
-    x = ((x ^ (x >> 30)) * _MIX1) & _M64
-    x = ((x ^ (x >> 27)) * _MIX2) & _M64
-    return x ^ (x >> 31)
+    Algorithm L consumes it in order (``Reservoir._draws``), one draw per point
+    that enters. A retried transaction (the state rolled back) and a restarted
+    daemon (the state reloaded) seed the same stream and draw the same sample.
+    Mersenne Twister's C methods cost ~40 ns a number, against ~800 ns for the
+    two rounds of splitmix64 over Python's 64-bit ints that a draw used to take,
+    as a pure function of its position; seeding costs ~5 us, once per offer that
+    draws (one per rank and history write at most). A stream kept per rank would
+    save the seeding but hold 2.5 KB per rank (10 MB at 4096 ranks).
+    """
+    return random.Random((rank_id << 64) | next_take)
 
 
 @dataclass
@@ -301,13 +300,11 @@ class Reservoir:
             self.states[rank_id] = ReservoirState(seen, next_take, w, size)
 
     @staticmethod
-    def _draws(rank_id: int, position: int) -> tuple[float, float, int]:
-        """(u1, u2, h): two uniforms in (0, 1] and a hash, a pure function of the
-        position, so a sample is reproducible (tests) and restarts need no RNG
-        state. A splitmix64 hash costs a fraction of seeding a ``random.Random``."""
-        x = _mix64(rank_id * 1_000_003 + position)
-        y = _mix64(x)
-        return ((x >> 11) + 1) * _TO_UNIT, ((y >> 11) + 1) * _TO_UNIT, _slot_bits(x, y)
+    def _draws(stream: random.Random) -> tuple[float, float, int]:
+        """(u1, u2, h): two uniforms in (0, 1] and the slot's bits, taken from the
+        stream in the order ``offer_columns`` (which inlines this) takes them: h first."""
+        h = stream.getrandbits(_SLOT_BITS)
+        return 1.0 - stream.random(), 1.0 - stream.random(), h
 
     @staticmethod
     def _gap(w: float, u: float) -> int:
@@ -343,37 +340,32 @@ class Reservoir:
             keys = zip(repeat(rank_id, fill), slots, strict=True)
             values = zip(repeat(rank_id, fill), slots, *(c[:fill] for c in columns), strict=True)
             rows.update(zip(keys, values, strict=True))
-        if end > k:
+        if end > k and (state.w == 0.0 or state.next_take < end):  # a point of this offer enters
+            stream = seeded_stream(rank_id, state.next_take)
             if state.w == 0.0:  # the sample just filled (or was backfilled by a migration)
                 begin = max(start, k)
-                u1, u2, _ = self._draws(rank_id, -begin - 1)
-                state.w = math.exp(math.log(u1) / k)
+                u1, u2, _ = self._draws(stream)
+                state.w = u1 ** (1.0 / k)
                 state.next_take = begin - 1 + self._gap(state.w, u2)
             w, take = state.w, state.next_take
             # Algorithm L: only the points that enter are touched, ~k*ln(seen) of them in all.
-            # ``_draws`` and ``_gap`` inlined (the same arithmetic, so the same sample):
-            # at 4096 ranks early in a run this loop runs ~20,000 times a second.
-            base = rank_id * 1_000_003
-            exp, log, log1p = math.exp, math.log, math.log1p
-            # A drawn point's row is built from the columns held in locals: 170 ns a row
-            # against 390 through ``map(itemgetter(i), columns)`` (an itemgetter, a map
-            # and an unpacking per draw), early in a run ~20% of the points are drawn.
-            c0, c1, c2, c3, c4, c5, c6, c7, c8 = columns  # HISTORY_COLUMNS (their count is asserted at import)
+            # ``_draws`` and ``_gap`` inlined (the same draws in the same order, so the same
+            # sample): early in a run at 1024 ranks this loop runs ~70,000 times a second.
+            # It only notes which point each drawn slot takes: early in a run one offer
+            # replaces the same slot several times, and a row is built once per slot below.
+            uniform, bits, log, log1p = stream.random, stream.getrandbits, math.log, math.log1p
+            inv_k = 1.0 / k
+            picked: dict[int, int] = {}  # slot -> the position that took it last
             while take < end:
-                x = (base + take + _GOLDEN) & _M64
-                x = ((x ^ (x >> 30)) * _MIX1) & _M64
-                x = ((x ^ (x >> 27)) * _MIX2) & _M64
-                x ^= x >> 31
-                y = (x + _GOLDEN) & _M64
-                y = ((y ^ (y >> 30)) * _MIX1) & _M64
-                y = ((y ^ (y >> 27)) * _MIX2) & _M64
-                y ^= y >> 31
-                slot = ((x & 0x7FF) | (y & 0x7FF) << 11) % k  # _slot_bits
-                # Only the drawn point is made a row (a 3333-step batch has a handful of draws).
-                i = take - start
+                picked[bits(_SLOT_BITS) % k] = take
+                w *= (1.0 - uniform()) ** inv_k
+                take += 1 if w >= 1.0 else int(log(1.0 - uniform()) / log1p(-w)) + 1
+            # The rows from the columns held in locals: 170 ns a row against 390 through
+            # ``map(itemgetter(i), columns)`` (an itemgetter, a map and an unpacking a row).
+            c0, c1, c2, c3, c4, c5, c6, c7, c8 = columns  # HISTORY_COLUMNS (their count is asserted at import)
+            for slot, position in picked.items():
+                i = position - start
                 rows[(rank_id, slot)] = (rank_id, slot, c0[i], c1[i], c2[i], c3[i], c4[i], c5[i], c6[i], c7[i], c8[i])
-                w *= exp(log(((x >> 11) + 1) * _TO_UNIT) / k)
-                take += 1 if w >= 1.0 else int(log(((y >> 11) + 1) * _TO_UNIT) / log1p(-w)) + 1
             state.w, state.next_take = w, take
         state.seen = end
         rows[(rank_id, LATEST_SLOT)] = (rank_id, LATEST_SLOT, *map(_LAST, columns))

@@ -491,8 +491,8 @@ class StoreWriter:
         by_rank: dict[int, list[list[Any]]] = {}
         # history.HISTORY_COLUMNS, where they sit in a SELECTed row (after rank_id).
         picked = [1 + TABLE_COLUMNS["steps"].index(name) for name in history.HISTORY_COLUMNS]
-        # Rowid order is commit order, so the reservoir sees each rank's points as it
-        # would have live, and draws the same sample.
+        # Rowid order is commit order, so the reservoir sees each rank's points in the
+        # order it would have live, and continues its sample from the saved state.
         async with self._db.execute(
             f"SELECT rank_id, {', '.join(TABLE_COLUMNS['steps'])} FROM steps WHERE rowid > ? ORDER BY rowid",
             (int(row[0]),),
