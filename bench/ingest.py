@@ -72,6 +72,7 @@ import resource
 import shutil
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -527,6 +528,10 @@ def main() -> None:
     p.add_argument("--versus-after", action="store_true",
                    help="run the --versus case right after the default one instead of before: a run in "
                         "each order tells a change from the machine drifting between the two")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each case (and its --versus twin) this many times, each round with its own "
+                        "baseline, and print medians with min..max: single runs of a case differ by up to "
+                        "~15%% on a shared machine")
     p.add_argument("--keep-db", action="store_true",
                    help="keep each case's database and daemon log (removed after the case by default)")
     p.add_argument("--counters-every", type=int, default=COUNTERS_REFRESH_FLUSHES,
@@ -541,6 +546,8 @@ def main() -> None:
     p.add_argument("--versus-counters-every", type=int, default=None, metavar="N",
                    help="every case also runs, right before, with agents sending their counters every N flushes")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     versus = _policy_overrides(args.versus)
     base_mix = AgentMix(args.counters_every, args.gpus_per_node)
     cases = [("throughput", n) for n in args.steps_per_flush if "throughput" in args.modes]
@@ -555,36 +562,80 @@ def main() -> None:
             versus_label = " ".join(filter(None, [f"{args.versus}" if versus else "",
                                                   versus_mix.describe() if versus_mix else ""]))
             print(f"agents: {mix.describe()}", flush=True)
-            before = _probe_baseline(ranks, mix.steps_per_flush)
-            compare = bool(versus or versus_mix)
-            versus_args = (ranks, relays, mode, args.seconds, args.window, args.rss_every, versus or None,
-                           versus_mix or mix)
-            if compare and not args.versus_after:
-                versus_case = run_case(*versus_args)
-            r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, mix=mix)
-            if compare and args.versus_after:
-                versus_case = run_case(*versus_args)
             tag = f"r{ranks}_k{relays}_{mode}" if args.relays else f"r{ranks}_{mode}"
             if steps_per_flush != STEPS_PER_FLUSH:
                 tag += f"_f{steps_per_flush}"
-            if mode == "throughput":
-                if compare:
-                    _throughput_report(ranks, relays, f"{tag}_versus", versus_case, before, figures,
-                                       label=f" versus {versus_label}")
-                _throughput_report(ranks, relays, tag, r, before, figures)
-            else:
-                base = max(before, _probe_baseline(ranks, mix.steps_per_flush))
-                if compare:
-                    _paced_report(ranks, relays, f"{tag}_versus", versus_case, base, figures,
-                                  label=f"versus {versus_label}")
-                _paced_report(ranks, relays, tag, r, base, figures)
-            # Each case's database and daemon log are hundreds of MB at 4096 ranks.
-            for case in (r, versus_case) if compare else (r,):
-                if args.keep_db:
-                    print(f"  kept {case['tmp']} (database and daemon.log)")
+            compare = bool(versus or versus_mix)
+            versus_args = (ranks, relays, mode, args.seconds, args.window, args.rss_every, versus or None,
+                           versus_mix or mix)
+            rounds: list[dict[str, float | None]] = []
+            for round_no in range(args.repeat):
+                if args.repeat > 1:
+                    print(f"round {round_no + 1} of {args.repeat}", flush=True)
+                one: dict[str, float | None] = {}
+                before = _probe_baseline(ranks, mix.steps_per_flush)
+                if compare and not args.versus_after:
+                    versus_case = run_case(*versus_args)
+                r = run_case(ranks, relays, mode, args.seconds, args.window, args.rss_every, mix=mix)
+                if compare and args.versus_after:
+                    versus_case = run_case(*versus_args)
+                if mode == "throughput":
+                    if compare:
+                        _throughput_report(ranks, relays, f"{tag}_versus", versus_case, before, one,
+                                           label=f" versus {versus_label}")
+                    _throughput_report(ranks, relays, tag, r, before, one)
                 else:
-                    shutil.rmtree(case["tmp"], ignore_errors=True)
+                    base = max(before, _probe_baseline(ranks, mix.steps_per_flush))
+                    if compare:
+                        _paced_report(ranks, relays, f"{tag}_versus", versus_case, base, one,
+                                      label=f"versus {versus_label}")
+                    _paced_report(ranks, relays, tag, r, base, one)
+                rounds.append(one)
+                # Each case's database and daemon log are hundreds of MB at 4096 ranks.
+                for case in (r, versus_case) if compare else (r,):
+                    if args.keep_db:
+                        print(f"  kept {case['tmp']} (database and daemon.log)")
+                    else:
+                        shutil.rmtree(case["tmp"], ignore_errors=True)
+            figures.update(rounds[-1] if len(rounds) == 1 else _rounds_summary(tag, mode, rounds, compare))
     print(json.dumps(figures))
+
+
+# The figures a repeated case summarises: (suffix, label, format) per mode.
+_SUMMARISED = {
+    "throughput": (("rows_per_s", "step rows/s", ",.0f"), ("ratio", "ratio", ".2f")),
+    "paced": (("cpu_pct", "daemon CPU % of a core", ".0f"), ("peak_rss_mb", "peak RSS MB", ".0f"),
+              ("p99_ms", "p99 latency ms", ".0f")),
+}
+
+
+def _rounds_summary(tag: str, mode: str, rounds: list[dict[str, float | None]], compare: bool
+                    ) -> dict[str, float | None]:
+    """Medians over the rounds of a repeated case (``--repeat``), printed with their
+    min..max; with ``--versus``, also the median of the per-round differences, each
+    round's pair run back to back (the paired figure a drifting machine leaves alone)."""
+    out: dict[str, float | None] = {}
+    for key in rounds[-1]:  # every round's figures, kept per round
+        for i, one in enumerate(rounds):
+            out[f"{key}_round{i + 1}"] = one.get(key)
+    for suffix, label, fmt in _SUMMARISED[mode]:
+        for which in ([f"{tag}_versus", tag] if compare else [tag]):
+            values = [v for v in (one.get(f"{which}_{suffix}") for one in rounds) if v is not None]
+            if not values:
+                continue
+            median = statistics.median(values)
+            out[f"{which}_{suffix}"] = median
+            name = "versus" if which.endswith("_versus") else "this daemon"
+            print(f"  {len(values)} rounds, {name}: {label} median {median:{fmt}} "
+                  f"(min {min(values):{fmt}}, max {max(values):{fmt}})")
+        if compare:
+            diffs = [one[f"{tag}_{suffix}"] - one[f"{tag}_versus_{suffix}"] for one in rounds  # type: ignore[operator]
+                     if one.get(f"{tag}_{suffix}") is not None and one.get(f"{tag}_versus_{suffix}") is not None]
+            if diffs:
+                out[f"{tag}_{suffix}_minus_versus_median"] = statistics.median(diffs)
+                print(f"  this daemon minus versus, paired by round: {label} median {statistics.median(diffs):+{fmt}} "
+                      f"(min {min(diffs):+{fmt}}, max {max(diffs):+{fmt}})")
+    return out
 
 
 def _probe_baseline(ranks: int, steps_per_flush: int) -> float:
