@@ -20,7 +20,9 @@ wrapper's ``*args, **kwargs`` cost was found (agent/capture/autograd.py).
 Counts are deterministic given the build: PYTHONHASHSEED=0, one thread for
 torch and BLAS, and the garbage collector off for the counted steps (one full
 collection landing in one mode's window would add ~10,000 instructions a step
-to it). Modes: ``none``, ``null`` (bench/overhead.py's empty mechanisms),
+to it). Modes: ``none``, ``null`` (bench/overhead.py's empty mechanisms, the
+forward timed by a call wrapper as the tracer does; ``null_hooks``: by the former
+forward hooks; until 2026-11-27 ``null`` was that),
 ``tracer`` (this checkout's Tracer) and ``ref`` (``--reference MODULE``, another
 build's Tracer, e.g. a renamed copy of an older agent package on PYTHONPATH).
 Needs valgrind; each run takes a minute or two (torch's import, simulated),
@@ -67,8 +69,8 @@ if mode in ("tracer", "ref"):
     tracer = Tracer(Recorder(), event_backend=None)
     tracer.install()
     trace = tracer.trace_step
-elif mode == "null":
-    null = overhead.NullInstrumentation()
+elif mode in ("null", "null_hooks"):
+    null = overhead.NullInstrumentation(forward_wrapper=mode == "null")
     null.install(work.model)
     trace = null.trace_step
 work.run(int(os.environ["WARMUP"]), trace)
@@ -115,7 +117,7 @@ def per_step(short: dict[str, dict[str, int]], long: dict[str, dict[str, int]], 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="none,tracer", help="comma-separated, from none, null, tracer, ref")
+    ap.add_argument("--modes", default="none,tracer", help="comma-separated, from none, null, null_hooks, tracer, ref")
     ap.add_argument("--steps", type=int, default=500, help="counted steps (the difference of the two runs)")
     ap.add_argument("--modules", type=int, default=4, help="model size (bench/overhead.py's make_model)")
     ap.add_argument("--reference", default="", help="module holding another build's Tracer (mode ref)")
