@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from traceml_daemon.store.schema import MIGRATIONS
 from traceml_wire.tables import columns, decode_body
 
@@ -66,3 +68,25 @@ def test_the_baseline_writes_into_the_daemons_current_schema(tmp_path: Path, mon
     monkeypatch.setattr(bench_ingest, "migrate", checked_migrate)
     assert bench_ingest.sqlite_baseline(2_000, tmp_path, ranks=8, steps_per_flush=10) > 0
     assert made == [(SCHEMA_VERSION, {"steps_by_group"})]
+
+
+def test_repeated_rounds_report_medians_and_paired_differences(capsys: Any) -> None:
+    """``--repeat``: each figure's median over the rounds, every round's figures kept,
+    and the per-round difference to the --versus twin (rounds missing a figure skipped)."""
+    tag = "r8_throughput"
+    rounds: list[dict[str, float | None]] = [
+        {f"{tag}_rows_per_s": 100.0, f"{tag}_ratio": 0.5, f"{tag}_versus_rows_per_s": 90.0, f"{tag}_versus_ratio": 0.4},
+        {f"{tag}_rows_per_s": 300.0, f"{tag}_ratio": 0.7, f"{tag}_versus_rows_per_s": 310.0, f"{tag}_versus_ratio": 0.8},
+        {f"{tag}_rows_per_s": 200.0, f"{tag}_ratio": 0.6, f"{tag}_versus_rows_per_s": 150.0, f"{tag}_versus_ratio": None},
+    ]
+    out = bench_ingest._rounds_summary(tag, "throughput", rounds, compare=True)
+    assert out[f"{tag}_rows_per_s"] == 200.0
+    assert out[f"{tag}_versus_rows_per_s"] == 150.0
+    assert out[f"{tag}_ratio"] == 0.6
+    assert out[f"{tag}_versus_ratio"] == pytest.approx(0.6)  # the median of the two rounds that have it
+    assert out[f"{tag}_rows_per_s_minus_versus_median"] == 10.0  # of +10, -10, +50
+    assert out[f"{tag}_ratio_minus_versus_median"] == pytest.approx(0.0)  # of +0.1, -0.1 (round 3 has no versus ratio)
+    assert [out[f"{tag}_rows_per_s_round{i}"] for i in (1, 2, 3)] == [100.0, 300.0, 200.0]
+    printed = capsys.readouterr().out
+    assert "3 rounds, this daemon: step rows/s median 200 (min 100, max 300)" in printed
+    assert "paired by round: step rows/s median +10" in printed
