@@ -632,8 +632,8 @@ def _rounds_summary(tag: str, mode: str, rounds: list[dict[str, float | None]], 
             diffs = [one[f"{tag}_{suffix}"] - one[f"{tag}_versus_{suffix}"] for one in rounds  # type: ignore[operator]
                      if one.get(f"{tag}_{suffix}") is not None and one.get(f"{tag}_versus_{suffix}") is not None]
             if diffs:
-                out[f"{tag}_{suffix}_minus_versus_median"] = statistics.median(diffs)
-                print(f"  this daemon minus versus, paired by round: {label} median {statistics.median(diffs):+{fmt}} "
+                paired = out[f"{tag}_{suffix}_minus_versus_median"] = statistics.median(diffs)
+                print(f"  this daemon minus versus, paired by round: {label} median {paired:+{fmt}} "
                       f"(min {min(diffs):+{fmt}}, max {max(diffs):+{fmt}})")
     return out
 
