@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from agent.recorder import Recorder
+from agent.tracer import Tracer
 from tests.agent.fake_relay import FakeRelay
 
 
@@ -29,3 +31,17 @@ def make_relay() -> Iterator[Callable[..., FakeRelay]]:
     yield make
     for relay in made:
         relay.close()
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def tracer(recorder: Recorder) -> Iterator[Tracer]:
+    """An installed host-clock Tracer (no device events), uninstalled after the test."""
+    t = Tracer(recorder, event_backend=None)
+    t.install()
+    yield t
+    t.uninstall()

@@ -80,11 +80,6 @@ def backend() -> FakeBackend:
 
 
 @pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
-
-
-@pytest.fixture
 def tracer(recorder: Recorder, backend: FakeBackend) -> Iterator[Tracer]:
     t = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
     t.install()

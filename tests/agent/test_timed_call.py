@@ -15,7 +15,6 @@ import io
 import pickle
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,19 +37,6 @@ class Small(torch.nn.Module):
         if self.fail:
             raise ValueError("boom")
         return self.fc(x) * scale
-
-
-@pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
-
-
-@pytest.fixture
-def tracer(recorder: Recorder) -> Iterator[Tracer]:
-    t = Tracer(recorder, event_backend=None)
-    t.install()
-    yield t
-    t.uninstall()
 
 
 def steps(tracer: Tracer, recorder: Recorder) -> dict[str, list[Any]]:

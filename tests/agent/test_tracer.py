@@ -85,16 +85,9 @@ class SlowSGD(torch.optim.SGD):
 
 
 @pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
-
-
-@pytest.fixture
-def tracer(recorder: Recorder) -> Iterator[Tracer]:
-    t = Tracer(recorder, event_backend=None)
-    t.install()
-    yield t
-    t.uninstall()
+def tracer(tracer: Tracer) -> Iterator[Tracer]:
+    """conftest's Tracer, with SlowBackward's knobs reset after the test."""
+    yield tracer
     SlowBackward.sleep_s = 0.0
     SlowBackward.on_backward = None
 
