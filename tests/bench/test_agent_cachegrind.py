@@ -53,10 +53,10 @@ fn=x_sub
 
 
 def test_per_step_is_the_difference_of_the_two_runs_divided_by_the_counted_steps() -> None:
-    short = {"f": {"Ir": 1000, "I1mr": 10, "D1mr": 5, "D1mw": 1}}
-    long = {"f": {"Ir": 1600, "I1mr": 30, "D1mr": 9, "D1mw": 1}, "g": {"Ir": 200}}
+    short = {"f": {"Ir": 1000, "I1mr": 10, "D1mr": 5, "D1mw": 1, "ILmr": 2, "DLmr": 0, "DLmw": 0}}
+    long = {"f": {"Ir": 1600, "I1mr": 30, "D1mr": 9, "D1mw": 1, "ILmr": 4, "DLmr": 20, "DLmw": 0}, "g": {"Ir": 200}}
     got = agent_cachegrind.per_step(short, long, steps=200)
-    assert got["f"] == {"Ir": 3.0, "I1mr": 0.1, "D1mr": 0.02, "D1mw": 0.0}
+    assert got["f"] == {"Ir": 3.0, "I1mr": 0.1, "D1mr": 0.02, "D1mw": 0.0, "ILmr": 0.01, "DLmr": 0.1, "DLmw": 0.0}
     assert got["g"]["Ir"] == 1.0 and got["g"]["I1mr"] == 0.0  # only in the longer run
 
 
@@ -70,3 +70,15 @@ def test_mode_ref_needs_a_reference(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         agent_cachegrind.main(["--modes", "none,ref"])
     assert "mode ref needs --reference" in capsys.readouterr().err
+
+
+def test_cycle_estimate_weighs_l1_misses_10_and_last_level_misses_100() -> None:
+    counts = {"Ir": 1000.0, "I1mr": 3.0, "D1mr": 2.0, "D1mw": 1.0, "ILmr": 1.0, "DLmr": 0.5, "DLmw": 0.5}
+    assert agent_cachegrind.cycles_estimate(counts) == 1000 + 10 * 6 + 100 * 2
+
+
+@pytest.mark.parametrize("sizes", ["4,x", "0", ","])
+def test_bad_model_sizes_are_named(sizes: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        agent_cachegrind.main(["--modules", sizes])
+    assert "--modules" in capsys.readouterr().err
