@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                          "depth summary, each mode's extra counts at every size side by side")
     ap.add_argument("--reference", default="", help="module holding another build's Tracer (mode ref)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="valgrind runs at a time")
-    ap.add_argument("--by-function", action="store_true", help="list the functions that differ most from none")
+    ap.add_argument("--by-function", action="store_true",
+                    help="list the functions that differ most from none (L1i misses, L1d misses, instructions)")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if "none" not in modes:
@@ -179,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"steps": args.steps, "modules": sizes, "by_modules": {str(n): results[n] for n in sizes}}))
 
 
+def top_functions(diff: dict[str, dict[str, float]], events: tuple[str, ...], n: int) -> list[str]:
+    """The ``n`` functions whose summed ``events`` differ most (instructions: by size either way,
+    misses: the extra ones first)."""
+    sign = abs if events == ("Ir",) else (lambda v: v)
+    return sorted(diff, key=lambda fn: -sign(sum(diff[fn][e] for e in events)))[:n]
+
+
 def report_size(modules: int, modes: list[str], counts: dict[str, dict[str, dict[str, float]]],
                 by_function: bool) -> dict[str, Any]:
     """Print one model size's per-step counts; return them and their differences from none."""
@@ -198,10 +206,13 @@ def report_size(modules: int, modes: list[str], counts: dict[str, dict[str, dict
                 continue
             diff = {fn: {e: counts[m].get(fn, {}).get(e, 0) - counts["none"].get(fn, {}).get(e, 0) for e in EVENTS}
                     for fn in set(counts[m]) | set(counts["none"])}
-            print(f"  {m} minus none, the 15 functions with the most extra L1i misses a step:")
-            for fn in sorted(diff, key=lambda f: -diff[f]["I1mr"])[:15]:
-                c = diff[fn]
-                print(f"    I1mr {c['I1mr']:+7.0f}  Ir {c['Ir']:+8.0f}  D1mr {c['D1mr']:+6.0f}  {fn[:90]}")
+            for what, events in (("L1i misses", ("I1mr",)), ("L1d misses", ("D1mr", "D1mw")),
+                                 ("instructions (either way)", ("Ir",))):
+                print(f"  {m} minus none, the 15 functions with the most extra {what} a step:")
+                for fn in top_functions(diff, events, 15):
+                    c = diff[fn]
+                    print(f"    I1mr {c['I1mr']:+7.0f}  Ir {c['Ir']:+8.0f}  D1mr {c['D1mr']:+6.0f}  "
+                          f"D1mw {c['D1mw']:+6.0f}  {fn[:80]}")
     return {"per_step": totals,
             "vs_none": {m: {e: totals[m][e] - base[e] for e in base} for m in modes if m != "none"}}
 

@@ -82,3 +82,14 @@ def test_bad_model_sizes_are_named(sizes: str, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         agent_cachegrind.main(["--modules", sizes])
     assert "--modules" in capsys.readouterr().err
+
+
+def test_top_functions_rank_extra_misses_first_and_instructions_either_way() -> None:
+    diff = {
+        "a": {"Ir": 500.0, "I1mr": 1.0, "D1mr": 9.0, "D1mw": 0.0},
+        "b": {"Ir": -900.0, "I1mr": 7.0, "D1mr": -4.0, "D1mw": 1.0},
+        "c": {"Ir": 10.0, "I1mr": 3.0, "D1mr": 2.0, "D1mw": 2.0},
+    }
+    assert agent_cachegrind.top_functions(diff, ("I1mr",), 2) == ["b", "c"]
+    assert agent_cachegrind.top_functions(diff, ("D1mr", "D1mw"), 3) == ["a", "c", "b"]
+    assert agent_cachegrind.top_functions(diff, ("Ir",), 1) == ["b"]  # fewer instructions count too
