@@ -26,10 +26,9 @@ Counts barely move between runs of one build: PYTHONHASHSEED=0, one thread for
 torch and BLAS, and the garbage collector off for the counted steps (one full
 collection landing in one mode's window would add ~10,000 instructions a step
 to it). Modes: ``none``, ``none_aa`` (the same bare step in runs of its own: the
-A/A control, its true difference zero, so its figure is the counting's own noise,
-which grows with the model: a 512-module step is ~21 million instructions,
-and where its objects land moves a few thousand of them and of its misses),
-``null`` (bench/overhead.py's empty mechanisms, the
+A/A control, its true difference zero, so its figure is the counting's own noise;
+at 512 modules, a step of ~21 million instructions, it was 20 instructions and 47
+L1d misses a step), ``null`` (bench/overhead.py's empty mechanisms, the
 forward timed by a call wrapper as the tracer does; ``null_hooks``: by the former
 forward hooks; until 2026-11-27 ``null`` was that),
 ``tracer`` (this checkout's Tracer) and ``ref`` (``--reference MODULE``, another
