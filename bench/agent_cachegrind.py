@@ -179,11 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"steps": args.steps, "modules": sizes, "by_modules": {str(n): results[n] for n in sizes}}))
 
 
-def top_functions(diff: dict[str, dict[str, float]], events: tuple[str, ...], n: int) -> list[str]:
-    """The ``n`` functions whose summed ``events`` differ most (instructions: by size either way,
-    misses: the extra ones first)."""
-    sign = abs if events == ("Ir",) else (lambda v: v)
-    return sorted(diff, key=lambda fn: -sign(sum(diff[fn][e] for e in events)))[:n]
+def top_functions(diff: dict[str, dict[str, float]], events: tuple[str, ...], n: int, either_way: bool = False
+                  ) -> list[str]:
+    """The ``n`` functions whose summed ``events`` differ most: the most extra first, or with
+    ``either_way`` the largest differences whatever their sign."""
+    def extra(fn: str) -> float:
+        total = sum(diff[fn][e] for e in events)
+        return abs(total) if either_way else total
+
+    return sorted(diff, key=extra, reverse=True)[:n]
 
 
 def report_size(modules: int, modes: list[str], counts: dict[str, dict[str, dict[str, float]]],
@@ -205,10 +209,11 @@ def report_size(modules: int, modes: list[str], counts: dict[str, dict[str, dict
                 continue
             diff = {fn: {e: counts[m].get(fn, {}).get(e, 0) - counts["none"].get(fn, {}).get(e, 0) for e in EVENTS}
                     for fn in set(counts[m]) | set(counts["none"])}
-            for what, events in (("L1i misses", ("I1mr",)), ("L1d misses", ("D1mr", "D1mw")),
-                                 ("instructions (either way)", ("Ir",))):
+            for what, events, either_way in (("L1i misses", ("I1mr",), False),
+                                             ("L1d misses", ("D1mr", "D1mw"), False),
+                                             ("instructions (either way)", ("Ir",), True)):
                 print(f"  {m} minus none, the 15 functions with the most extra {what} a step:")
-                for fn in top_functions(diff, events, 15):
+                for fn in top_functions(diff, events, 15, either_way):
                     c = diff[fn]
                     print(f"    I1mr {c['I1mr']:+7.0f}  Ir {c['Ir']:+8.0f}  D1mr {c['D1mr']:+6.0f}  "
                           f"D1mw {c['D1mw']:+6.0f}  {fn[:80]}")

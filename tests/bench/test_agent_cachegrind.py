@@ -92,4 +92,5 @@ def test_top_functions_rank_extra_misses_first_and_instructions_either_way() -> 
     }
     assert agent_cachegrind.top_functions(diff, ("I1mr",), 2) == ["b", "c"]
     assert agent_cachegrind.top_functions(diff, ("D1mr", "D1mw"), 3) == ["a", "c", "b"]
-    assert agent_cachegrind.top_functions(diff, ("Ir",), 1) == ["b"]  # fewer instructions count too
+    assert agent_cachegrind.top_functions(diff, ("Ir",), 1) == ["a"]  # the most extra
+    assert agent_cachegrind.top_functions(diff, ("Ir",), 1, either_way=True) == ["b"]  # fewer count too
