@@ -25,9 +25,9 @@ from typing import Any, Protocol
 from agent.errors import ErrorReporter
 from traceml_wire import messages
 from traceml_wire.auth import hello_mac
+from traceml_wire.body import encode_body
 from traceml_wire.errors import ProtocolError
 from traceml_wire.framing import MAX_AGENT_BODY_BYTES, FrameDecoder, encode_frame, unpack_message
-from traceml_wire.tables import encode_body
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0

@@ -85,14 +85,15 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from agent.batch import COUNTERS_REFRESH_FLUSHES  # noqa: E402
-from traceml_daemon import memdebug  # noqa: E402
+from traceml_daemon.net import memdebug  # noqa: E402
 from traceml_daemon.store.migrate import migrate  # noqa: E402
 from traceml_daemon.store.policy import DEFAULT_POLICY  # noqa: E402
 from traceml_daemon.store.schema import PRAGMAS  # noqa: E402
 from traceml_wire import FrameDecoder, encode_frame, unpack_message  # noqa: E402
 from traceml_wire import messages as m  # noqa: E402
 from traceml_wire.auth import hello_mac  # noqa: E402
-from traceml_wire.tables import columns, encode_body  # noqa: E402
+from traceml_wire.body import encode_body  # noqa: E402
+from traceml_wire.tables import columns  # noqa: E402
 
 STEPS_PER_FLUSH = 10  # default: a rank doing 10 steps/s flushing once a second
 # Throughput cases: a 100 ms-step rank's flush, and a 0.3 ms-step rank's (issue 5's
@@ -373,7 +374,7 @@ _DAEMON_WITH_POLICY = """
 import dataclasses, json, sys
 from traceml_daemon.store import policy
 policy.DEFAULT_POLICY = dataclasses.replace(policy.DEFAULT_POLICY, **json.loads(sys.argv.pop(1)))
-from traceml_daemon.cli import main
+from traceml_daemon.commands.cli import main
 sys.argv[0] = "traceml-daemon"
 sys.exit(main())
 """

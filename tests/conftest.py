@@ -1,7 +1,7 @@
 """Shared fixtures: a database written by a real 2-rank DDP run, built once per
 pytest session and reused by the tests that read a real run: the TUI
 (tests/traceml_daemon/tui/test_real_run.py), the summary CLI
-(tests/e2e/test_end_to_end.py), export (tests/traceml_daemon/test_export.py)
+(tests/e2e/test_end_to_end.py), export (tests/traceml_daemon/commands/test_export.py)
 and the analysis engine and compare (tests/traceml_daemon/analysis/test_engine_real_run.py)."""
 
 from __future__ import annotations

@@ -163,19 +163,6 @@ class TableBuilder:
         return out
 
 
-def encode_body(tables: dict[str, dict[str, list[Any]]], **extra: Any) -> bytes:
-    """Pack an agent batch body: ``{"tables": {...}, **extra}``, plus the history
-    partials of its steps where there are enough of them (``traceml_wire.history``)."""
-    body: dict[str, Any] = {"tables": {k: v for k, v in tables.items() if v and any(v.values())}}
-    steps = tables.get("steps")
-    if steps:
-        partials = _history.encode_partials(steps)
-        if partials is not None:
-            body["history"] = partials
-    body.update(extra)
-    return msgpack.packb(body, use_bin_type=True)
-
-
 def _unpack(body: bytes) -> dict[Any, Any]:
     try:
         # use_list=False: wire arrays become tuples. A tuple of numbers is one
@@ -248,7 +235,7 @@ def decode_columns(body: bytes) -> dict[str, list[Column]]:
 
 def decode_batch(body: bytes) -> tuple[dict[str, list[Column]], Any]:
     """``decode_columns`` and the body's history partials as sent (None: none;
-    ``traceml_wire.history.decode_partials`` checks them), from one unpack."""
+    ``traceml_wire.partials.decode_partials`` checks them), from one unpack."""
     raw = _unpack(body)
     return _decode_tables(raw.get("tables", {})), raw.get("history")
 
@@ -367,7 +354,3 @@ def rows(table: dict[str, list[Any]], order: tuple[str, ...]) -> list[tuple[Any,
     """Columns to row tuples in ``order`` (for executemany)."""
     return list(zip(*(table[c] for c in order), strict=True))
 
-
-# Last: traceml_wire.history imports this module's names (either may be imported first;
-# encode_body reads the attribute only when called).
-from traceml_wire import history as _history  # noqa: E402

@@ -12,7 +12,7 @@ from agent.errors import ErrorReporter
 from agent.sender import HelloInfo, ResendBuffer, Sender, encode_bodies
 from tests.agent.fake_relay import FakeRelay
 from traceml_wire.auth import hello_mac
-from traceml_wire.history import decode_partials
+from traceml_wire.partials import decode_partials
 from traceml_wire.tables import decode_batch, decode_body
 
 HELLO = HelloInfo(sender="s1/a0/n0/r0/1-abc", session="s1", identity={"global_rank": 0, "pid": 1})

@@ -241,7 +241,7 @@ def test_non_loopback_without_token_refused(tmp_path: Path) -> None:
 
 def _span_body(size: int) -> bytes:
     """A valid agent body of exactly ``size`` bytes: one span whose args fill it."""
-    from traceml_wire.tables import encode_body
+    from traceml_wire.body import encode_body
 
     def body(args: str) -> bytes:
         span = {"name": ["big"], "start_ns": [1], "dur_ns": [2], "step": [0], "args": [args]}

@@ -182,7 +182,7 @@ async def test_spool_cap_drops_reach_the_summary_after_ingest(tmp_path: Path) ->
     """The daemon is down for the whole run: the relay's counters exist only in its spool."""
     import json
 
-    from traceml_wire.tables import encode_body
+    from traceml_wire.body import encode_body
 
     spool_dir = tmp_path / "spool"
     port = await _down_port()

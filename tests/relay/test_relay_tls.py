@@ -14,7 +14,7 @@ from relay_helpers import FakeAgent
 
 from relay.node import start_relay_thread
 from tests.support.procs import REPO, DaemonProcess, base_env, free_port, wait_for
-from tests.traceml_daemon.test_tls_and_limits import Certs, make_certs, needs_openssl, tls_args
+from tests.traceml_daemon.net.test_tls_and_limits import Certs, make_certs, needs_openssl, tls_args
 from tests.traceml_daemon.wire_client import agent_sender, count_steps, steps_body
 
 TOKEN = "tls-test-token"

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
+from traceml_daemon.ingest.pipeline import WorkItem
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.schema import HISTORY_METRICS
-from traceml_daemon.store.writer import WorkItem
-from traceml_wire.tables import PHASES, encode_body
+from traceml_wire.body import encode_body
+from traceml_wire.tables import PHASES
 
 
 def random_steps(rank: int, first: int, n: int, seed: int, ts0: float = 1_700_000_000.0) -> dict[str, list[Any]]:

@@ -9,14 +9,14 @@ from tests.support.procs import base_env
 
 MODULES = [
     "traceml_daemon",
-    "traceml_daemon.cli",
-    "traceml_daemon.server",
-    "traceml_daemon.session",
-    "traceml_daemon.ingest",
-    "traceml_daemon.aggregates",
-    "traceml_daemon.summary",
-    "traceml_daemon.spool_ingest",
-    "traceml_daemon.store.writer",
+    "traceml_daemon.commands.cli",
+    "traceml_daemon.net.server",
+    "traceml_daemon.net.peer",
+    "traceml_daemon.ingest.decode",
+    "traceml_daemon.ingest.live",
+    "traceml_daemon.commands.summary",
+    "traceml_daemon.commands.ingest",
+    "traceml_daemon.ingest.pipeline",
     "traceml_daemon.store.reader",
     "traceml_daemon.store.migrate",
 ]
@@ -27,7 +27,7 @@ def test_daemon_modules_do_not_import_torch() -> None:
         "import importlib, sys\n"
         f"for name in {MODULES!r}:\n"
         "    importlib.import_module(name)\n"
-        "from traceml_daemon.cli import build_parser\n"
+        "from traceml_daemon.commands.cli import build_parser\n"
         "build_parser()\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"

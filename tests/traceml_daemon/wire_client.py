@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from traceml_wire import auth, messages
+from traceml_wire.body import encode_body
 from traceml_wire.framing import FrameDecoder, encode_frame, unpack_message
-from traceml_wire.tables import encode_body
 
 # The sender id the tests' relay connections present in their hello.
 RELAY = "relay/s1/n0/1-r"

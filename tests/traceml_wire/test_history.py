@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from traceml_wire.body import encode_body
 from traceml_wire.errors import ProtocolError
-from traceml_wire.history import (
+from traceml_wire.partials import (
     COLUMNS,
     FINE_STEPS,
     METRIC_COLUMNS,
@@ -23,7 +24,7 @@ from traceml_wire.history import (
     decode_partials,
     encode_partials,
 )
-from traceml_wire.tables import decode_batch, encode_body
+from traceml_wire.tables import decode_batch
 
 
 def _steps(steps: list[int | None], seed: int = 1, none_share: float = 0.1) -> dict[str, list[Any]]:

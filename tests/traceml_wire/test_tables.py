@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traceml_wire import ProtocolError
-from traceml_wire.tables import TABLES, TableBuilder, columns, decode_body, encode_body, rows
+from traceml_wire.body import encode_body
+from traceml_wire.tables import TABLES, TableBuilder, columns, decode_body, rows
 
 
 def _pack(obj: Any) -> bytes:

@@ -24,7 +24,7 @@ Writing side (pure, used by ``StoreWriter`` and by ``bench/history.py``):
 
 The writer calls the column-list forms (``add_rank_deltas``, ``offer_columns``:
 columns in ``HISTORY_COLUMNS`` order) one rank at a time; for batches whose agent
-sent history partials (``traceml_wire/history.py``: the finest buckets of its own
+sent history partials (``traceml_wire/partials.py``: the finest buckets of its own
 steps, computed by the same code) it merges those instead (``merge_fine``,
 ``add_fine_deltas``) and folds only the rows that came without. Everything is exact and
 order-free (integer sums, min, max), so how steps are split into folds never
@@ -51,10 +51,10 @@ from typing import Any
 from traceml_daemon.analysis.nodes import by_node_with_worst
 from traceml_daemon.analysis.stats import max_or_none, min_or_none
 from traceml_daemon.store.schema import HISTORY_LEVELS, HISTORY_METRICS, LATEST_SLOT, RESERVOIR_SIZE
-from traceml_wire import history as wire_history
+from traceml_wire import partials as wire_history
 from traceml_wire.tables import PHASES
 
-# Stats is a flat list, for speed on the ingest path (``traceml_wire.history``):
+# Stats is a flat list, for speed on the ingest path (``traceml_wire.partials``):
 # [n, first_step, last_step, last_ts, then per metric: count, min, max, sum]
 Stats = wire_history.Stats
 _BASE = wire_history.BASE

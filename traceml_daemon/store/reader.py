@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData
-from traceml_daemon.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
+from traceml_daemon.ingest.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
 from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is, ranks_in
 
 

@@ -8,7 +8,7 @@ the integer key of the sending rank in ``ranks``. Column types follow
 
 from __future__ import annotations
 
-from traceml_wire.history import FINE_STEPS, METRICS
+from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
 SCHEMA_VERSION = 5
@@ -68,7 +68,7 @@ def _v1() -> list[str]:
 # survives retention deleting raw steps.
 
 # Steps per bucket, finest first; agents send partials of the finest level
-# (traceml_wire/history.py), so it is theirs to state.
+# (traceml_wire/partials.py), so it is theirs to state.
 HISTORY_LEVELS = (FINE_STEPS, 1024, 16384)
 HISTORY_METRICS = METRICS  # step and every phase: each is the ``{metric}_ns`` column of steps
 RESERVOIR_SIZE = 256  # most raw steps sampled per rank (+ the latest point); see v5

@@ -40,7 +40,7 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, RankData, RankStatus, RunData, Verdict
 from traceml_daemon.analysis.nodes import node_views
-from traceml_daemon.counters import DAEMON_SOURCE
+from traceml_daemon.ingest.counters import DAEMON_SOURCE
 from traceml_daemon.store import history
 from traceml_daemon.store.reader import RunRef, delivery_counters, latest_run, load_systems, run_parallelism
 from traceml_daemon.store.schema import rank_is

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from traceml_daemon.analysis.compare import compare_runs
+from traceml_daemon.analysis.diff import compare_runs
 from traceml_daemon.analysis.engine import diagnose
-from traceml_daemon.compare import load_run, main
+from traceml_daemon.commands.compare import load_run, main
 
 pytestmark = pytest.mark.slow
 

@@ -307,7 +307,7 @@ def test_delivery_counts_rows_and_batches_apart_and_never_bytes(tmp_path: Path) 
 
 def test_synth_relay_counters_are_the_relays_own() -> None:
     from relay.upstream import RelayStats
-    from traceml_daemon.counters import Counters
+    from traceml_daemon.ingest.counters import Counters
     from traceml_daemon.tui.synth import DAEMON_COUNTERS, RELAY_COUNTERS
 
     assert set(RELAY_COUNTERS) == set(RelayStats().as_dict())

@@ -1,0 +1,134 @@
+"""`traceml-daemon ingest`: relay spool files through the live ingest path."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import base_env
+from tests.traceml_daemon.wire_client import agent_sender, count_steps, steps_body
+from traceml_wire import messages, spool
+from traceml_wire.framing import pack_message
+
+A0, A1 = agent_sender("s1", 0), agent_sender("s1", 1)
+PEERS = {A0: {"global_rank": 0, "node_rank": 0}, A1: {"global_rank": 1, "node_rank": 0}}
+
+
+def write_spool(path: Path, batches: int) -> list[int]:
+    """One rbatch per record; returns each record's start offset."""
+    data = bytearray(spool.MAGIC)
+    offsets = []
+    for seq in range(1, batches + 1):
+        offsets.append(len(data))
+        items = [[A0, seq, steps_body(seq * 10, 10)], [A1, seq, steps_body(seq * 10, 10)]]
+        data += spool.encode_record(pack_message(messages.relay_batch(seq, items, PEERS, {"node_rank": 0}, {})))
+    path.write_bytes(bytes(data))
+    return offsets
+
+
+def ingest(db: Path, *files: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "traceml_daemon", "ingest", *map(str, files), "--db", str(db)],
+        capture_output=True, text=True, env=base_env(), timeout=120,
+    )
+
+
+def test_spool_ingest_stores_rows_and_dedups_a_second_load(tmp_path: Path) -> None:
+    db, spool_file = tmp_path / "run.db", tmp_path / "relay.spool"
+    write_spool(spool_file, 5)
+    done = ingest(db, spool_file)
+    assert done.returncode == 0, done.stderr
+    assert "5 records, 100 rows stored" in done.stdout
+    assert count_steps(db) == 100
+    done = ingest(db, spool_file)
+    assert done.returncode == 0, done.stderr
+    assert "0 rows stored, 10 duplicate batches discarded" in done.stdout
+    assert count_steps(db) == 100
+
+
+def test_corrupted_spool_is_read_up_to_the_first_bad_record(tmp_path: Path) -> None:
+    db, spool_file = tmp_path / "run.db", tmp_path / "relay.spool"
+    offsets = write_spool(spool_file, 5)
+    data = bytearray(spool_file.read_bytes())
+    data[offsets[3] + 20] ^= 0xFF  # flip a byte inside record 4's body
+    spool_file.write_bytes(bytes(data))
+    done = ingest(db, spool_file)
+    assert done.returncode == 0, done.stderr
+    assert f"stopped at byte {offsets[3]}: CRC mismatch" in done.stdout
+    assert count_steps(db) == 60
+
+
+def write_records(path: Path, records: list[tuple[int, list[list[object]]]]) -> None:
+    """One rbatch per (relay seq, items) record."""
+    data = bytearray(spool.MAGIC)
+    for seq, items in records:
+        data += spool.encode_record(pack_message(messages.relay_batch(seq, items, PEERS, {"node_rank": 0}, {})))
+    path.write_bytes(bytes(data))
+
+
+def batch(sender: str, seq: int) -> list[object]:
+    return [sender, seq, steps_body(seq * 10, 10)]
+
+
+def step_numbers(db: Path) -> dict[int, list[int]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT r.global_rank, s.step FROM steps s JOIN ranks r USING (rank_id) ORDER BY 1, 2")
+        out: dict[int, list[int]] = {}
+        for rank, step in rows:
+            out.setdefault(rank, []).append(step)
+        return out
+    finally:
+        conn.close()
+
+
+def test_files_out_of_seq_order_ingest_completely(tmp_path: Path) -> None:
+    # A relay restarted mid-run: its second life's segments sort first by name, and
+    # it resent seq 5, which the first life had spooled too.
+    first, second = tmp_path / "spool-900-aaaaaa-000001.trs", tmp_path / "spool-1000-bbbbbb-000001.trs"
+    write_records(first, [(s, [batch(A0, s), batch(A1, s)]) for s in range(1, 6)])
+    write_records(second, [(s - 4, [batch(A0, s), batch(A1, s)]) for s in range(5, 11)])
+    db = tmp_path / "run.db"
+    done = ingest(db, *sorted([first, second]))
+    assert done.returncode == 0, done.stderr
+    assert step_numbers(db) == {0: list(range(10, 110)), 1: list(range(10, 110))}
+    # Seq 5 of both ranks is in both files: stored once, from the file named first.
+    lines = done.stdout.splitlines()
+    assert f"{second}: 6 records, 120 rows stored, 0 duplicate batches discarded" in lines
+    assert f"{first}: 5 records, 80 rows stored, 2 duplicate batches discarded" in lines
+
+
+def test_each_sender_is_ordered_even_where_no_file_order_works(tmp_path: Path) -> None:
+    # Rank 0's early batches are in x, rank 1's in y: neither order of the two files is
+    # right for both senders, so ordering has to be per sender.
+    x, y = tmp_path / "x.trs", tmp_path / "y.trs"
+    write_records(x, [(1, [batch(A0, s) for s in range(1, 6)] + [batch(A1, s) for s in range(6, 11)])])
+    write_records(y, [(1, [batch(A0, s) for s in range(6, 11)] + [batch(A1, s) for s in range(1, 6)])])
+    for order in ((x, y), (y, x)):
+        db = tmp_path / f"{order[0].stem}.db"
+        done = ingest(db, *order)
+        assert done.returncode == 0, done.stderr
+        assert step_numbers(db) == {0: list(range(10, 110)), 1: list(range(10, 110))}
+        assert "0 duplicate batches discarded" in done.stdout and "100 rows stored" in done.stdout
+
+
+def test_parse_rbatch_locates_every_body_and_refuses_what_the_live_path_refuses() -> None:
+    from traceml_daemon.commands.ingest import parse_rbatch
+    from traceml_wire.errors import ProtocolError
+
+    bodies = [b"", b"a" * 10, b"b" * 300, b"c" * 70_000]  # bin8, bin8, bin16, bin32 headers
+    items: list[list[object]] = [[A0, seq, body] for seq, body in enumerate(bodies, 1)]
+    record = pack_message(messages.relay_batch(9, items, PEERS, {"node_rank": 0}, {"dropped_batches": 2}))
+    message, spans = parse_rbatch(record)
+    assert [record[o : o + n] for o, n in spans] == bodies
+    assert message["items"] == [[A0, seq, b""] for seq in range(1, 5)] and message["stats"] == {"dropped_batches": 2}
+    bad_body = pack_message(messages.relay_batch(9, [[A0, 1, "text, not bytes"]], PEERS, {}, {}))
+    with pytest.raises(ProtocolError):
+        messages.validate_client_message(parse_rbatch(bad_body)[0])
+    for broken in (record + b"\x00", record[:-1], b"\x93\x01\x02\x03"):
+        with pytest.raises(ProtocolError):
+            parse_rbatch(broken)

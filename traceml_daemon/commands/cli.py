@@ -1,0 +1,263 @@
+"""``traceml-daemon`` command line: argument parsing and dispatch only.
+
+``serve``, ``summary`` and ``ingest`` live here; ``demo``, ``tui``, ``compare``,
+``export`` and ``launch`` belong to their own modules, imported only when that
+subcommand runs (so ``traceml-daemon summary`` never loads textual). Each such
+module provides ``add_arguments(parser)`` and ``main(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
+
+DEFAULT_DB = "traceml.db"
+DEFAULT_PORT = 29765
+
+LAZY: dict[str, tuple[str, str]] = {
+    "demo": ("traceml_daemon.commands.demo", "a local simulated 2 nodes x 2 ranks CPU DDP job, end to end"),
+    "tui": ("traceml_daemon.tui.app", "attach the terminal UI to a live or finished run (read-only)"),
+    "compare": ("traceml_daemon.commands.compare", "two runs side by side, first divergent step"),
+    "export": ("traceml_daemon.commands.export", "export a run as a Chrome trace or CSV"),
+    "launch": ("traceml_daemon.commands.launch", "start a daemon and a training command together"),
+}
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; printed without a traceback, exit 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"SQLite database (default ./{DEFAULT_DB})")
+    p.add_argument("--token-file", help="file holding the shared token (else $TRACEML_TOKEN)")
+    p.add_argument("--tui", action="store_true", help="show the live terminal UI while serving")
+    p.add_argument("--max-frame-bytes", type=_positive_int, default=DEFAULT_MAX_FRAME_BYTES,
+                   help="largest frame accepted")
+    p.add_argument("--max-connections", type=_positive_int, default=1024, help="concurrent connections before refusing")
+    p.add_argument("--hello-timeout", type=_positive_float, default=10.0, help="seconds a new peer has to authenticate")
+    p.add_argument("--queue-bytes", type=_positive_int, default=64 * 1024 * 1024,
+                   help="bytes queued for the writer (and in its transaction) before reads pause")
+    p.add_argument("--inbound-bytes", type=_positive_int, default=32 * 1024 * 1024,
+                   help="bytes of frames being read, all connections together, before reads pause")
+    p.add_argument("--tls-cert", help="PEM certificate: serve TLS")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus/OpenMetrics on GET /metrics at this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
+    p.add_argument("--retention-days", type=float, help="delete raw rows older than this many days (history stays)")
+    p.add_argument("--max-db-mb", type=float, help="delete the oldest raw rows while the db uses more than this")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="traceml-daemon", description="TraceML daemon: ingest, store, diagnose.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _serve_args(sub.add_parser("serve", help="receive telemetry from relays and store it"))
+    p = sub.add_parser("summary", help="final summary of the latest run (text, or JSON with --json)")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"database (default ./{DEFAULT_DB})")
+    p.add_argument("--json", action="store_true", help="print JSON on stdout")
+    p.add_argument("--no-files", action="store_true", help="do not write final_summary.json/.txt next to the db")
+    p = sub.add_parser("ingest", help="load relay spool files into a database")
+    p.add_argument("files", nargs="+", help="spool files written by relays")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"database (default ./{DEFAULT_DB})")
+    for name, (_module, text) in LAZY.items():
+        p = sub.add_parser(name, help=text)
+        if name == command:
+            # Only the subcommand being run pays for its import.
+            _lazy_module(name).add_arguments(p)
+    return parser
+
+
+def _lazy_module(name: str) -> ModuleType:
+    module_name = LAZY[name][0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise UsageError(f"`{name}` is not available in this installation ({module_name} is missing)") from None
+        raise
+
+
+def read_token(token_file: str | None) -> str | None:
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
+        if not token:
+            raise UsageError(f"--token-file {token_file} is empty")
+        return token
+    return os.environ.get("TRACEML_TOKEN") or None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from traceml_daemon.net import loop as _loop
+    from traceml_daemon.net.server import ServerConfig, run_server
+    from traceml_daemon.store.migrate import SchemaError
+    from traceml_wire.addresses import is_loopback
+
+    token = read_token(args.token_file)
+    if token is None and not is_loopback(args.host):
+        raise UsageError(
+            f"refusing to listen on non-loopback address {args.host} without a token: anyone who can reach it "
+            "could write to the database. Set TRACEML_TOKEN (same value on every node) or pass --token-file FILE, "
+            "or bind --host 127.0.0.1."
+        )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    config = ServerConfig(
+        db_path=args.db,
+        host=args.host,
+        port=args.port,
+        token=token,
+        max_frame_bytes=args.max_frame_bytes,
+        max_connections=args.max_connections,
+        hello_timeout=args.hello_timeout,
+        queue_bytes=args.queue_bytes,
+        inbound_bytes=args.inbound_bytes,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        retention_days=args.retention_days,
+        max_db_mb=args.max_db_mb,
+    )
+    if args.tui:
+        return _serve_with_tui(args.db)
+    try:
+        code = _loop.run(run_server(config))
+    except SchemaError as exc:
+        raise UsageError(str(exc)) from None
+    if code == 0:
+        _final_summary(args.db)
+    return code
+
+
+def _final_summary(db_path: str) -> None:
+    """Leave final_summary.json/.txt beside the db after a clean stop; a failure
+    here is logged, never turned into a failed daemon exit."""
+    from traceml_daemon.commands.summary import build_summary, write_summary_files
+
+    log = logging.getLogger("traceml_daemon.commands.cli")
+    try:
+        summary = build_summary(db_path)
+        if summary["ranks"]:
+            paths = write_summary_files(db_path, summary)
+            log.info("final summary written to %s", ", ".join(paths))
+    except Exception:
+        log.exception("could not write the final summary")
+
+
+def _serve_with_tui(db_path: str) -> int:
+    """Serve in a child process and run the TUI here: the TUI owns the terminal
+    and its event loop, and a slow redraw must never stall ingest."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:] if a != "--tui"]
+    log_path = os.path.join(os.path.dirname(os.path.abspath(db_path)), "traceml-daemon.log")
+    with open(log_path, "ab") as log_file:
+        # The TUI owns the terminal, so the daemon's log goes to a file beside the db.
+        child = subprocess.Popen(
+            [sys.executable, "-m", "traceml_daemon.commands.cli", *argv], stdout=subprocess.DEVNULL, stderr=log_file
+        )
+    print(f"daemon log: {log_path}", file=sys.stderr)
+    try:
+        tui = _lazy_module("tui")
+        return int(tui.run_tui(db_path) or 0)
+    finally:
+        child.terminate()
+        child.wait()
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from traceml_daemon.commands.summary import build_summary, render_text, write_summary_files
+    from traceml_daemon.store.reader import StoreError
+
+    try:
+        summary = build_summary(args.db)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    if not args.no_files:
+        try:
+            write_summary_files(args.db, summary)
+        except OSError as exc:
+            logging.getLogger("traceml_daemon.commands.cli").warning("could not write summary files: %s", exc)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(summary))
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from traceml_daemon.commands.ingest import ingest_spools
+    from traceml_daemon.net import loop as _loop
+    from traceml_daemon.store.migrate import SchemaError
+
+    try:
+        reports = _loop.run(ingest_spools(args.files, args.db))
+    except SchemaError as exc:
+        raise UsageError(str(exc)) from None
+    for report in reports:
+        print(report.line())
+    # A damaged spool is not a failure of the command: what was intact is stored.
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in LAZY else None
+    try:
+        args = build_parser(command).parse_args(argv)
+        logging.basicConfig(
+            level=getattr(args, "log_level", "INFO").upper(),
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "summary":
+            return cmd_summary(args)
+        if args.command == "ingest":
+            return cmd_ingest(args)
+        return int(_lazy_module(args.command).main(args) or 0)
+    except UsageError as exc:
+        print(f"traceml-daemon: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

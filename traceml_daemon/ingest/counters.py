@@ -1,0 +1,39 @@
+"""The daemon's own delivery counters, shared by connection handlers and the writer.
+
+Only the event loop thread touches them (no locks). The writer stores them in
+``delivery`` under source ``daemon`` inside every transaction, so the counts
+that describe stored rows (``rows_stored``, ``duplicates_discarded``) survive
+a kill -9 exactly; the others are at most one flush interval behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+DAEMON_SOURCE = "daemon"  # delivery.source of these counters
+AGENT_PREFIX = "agent:"  # delivery.source of an agent's own drop counters: "agent:" + sender
+RELAY_PREFIX = "relay:"  # delivery.source of a relay's stats: "relay:" + relay sender
+
+
+@dataclass
+class Counters:
+    frames_received: int = 0
+    rows_stored: int = 0
+    duplicates_discarded: int = 0
+    oversize_frames: int = 0
+    refused_peers: int = 0
+    bad_bodies: int = 0
+    # History partials that failed their checks; their batches' rows were stored and
+    # folded by the daemon instead (traceml_wire/partials.py).
+    partials_refused: int = 0
+    protocol_errors: int = 0
+    connections: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load(self, stored: dict[str, int]) -> None:
+        """Start from the values a previous daemon stored (counts are cumulative per database)."""
+        for f in fields(self):
+            if f.name in stored:
+                setattr(self, f.name, int(stored[f.name]))

@@ -1,0 +1,355 @@
+"""Turn rbatches into rows per table, with dedup (pure; no I/O).
+
+The writer owns one ``Ingestor``; it holds, per agent sender, the rank id and
+the highest agent seq stored (a cache of ``ranks.last_seq``). ``stage`` plans
+one transaction; ``commit`` makes the plan's high-water marks current once the
+database committed, and ``rollback`` forgets them, so the cache never runs
+ahead of the disk.
+
+The writer pipelines: it stages transaction N+1 (decoding, in the event loop)
+while N is still being written on aiosqlite's thread. Staging therefore also
+consults ``pending``, the high-water marks of staged but uncommitted plans; a
+failed commit clears them all and the writer re-stages what came after.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from traceml_wire.errors import ProtocolError
+from traceml_wire.partials import Stats, decode_partials
+from traceml_wire.tables import TABLES, Column, columns, decode_batch
+
+log = logging.getLogger("traceml_daemon.ingest.decode")
+
+# Agent senders look like "{session}/a{attempt}/n{node}/r{rank}/{pid}-{rand}";
+# the session itself may contain slashes, so match from the right.
+_AGENT_SENDER = re.compile(r"^(?P<session>.+)/a(?P<attempt>\d+)/n(?P<node>-?\d+)/r(?P<rank>-?\d+)/[^/]+$")
+
+RANK_COLUMNS = (
+    "rank_id",
+    "sender",
+    "session",
+    "attempt",
+    "global_rank",
+    "local_rank",
+    "node_rank",
+    "world_size",
+    "local_world_size",
+    "nnodes",
+    "hostname",
+    "pid",
+    "run_id",
+    "parallelism",
+    "device",
+    "first_seen",
+    "last_seen",
+    "last_seq",
+)
+
+
+@dataclass
+class RankState:
+    rank_id: int
+    last_seq: int
+    global_rank: int | None = None
+    node_rank: int | None = None
+    session: str | None = None
+    attempt: int = 0
+    world_size: int | None = None  # as the rank stated it (sizes its history sample)
+
+
+@dataclass
+class Plan:
+    """Everything one transaction writes."""
+
+    # table -> its decoded batches, (rank_id, columns), in arrival order. The writer turns
+    # each table into the parameters of its multi-row INSERTs (``chunk_statements``) on the
+    # database thread, while the event loop decodes the next transaction.
+    chunks: dict[str, list[tuple[int, list[Column]]]] = field(default_factory=dict)
+    ranks: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # sender -> RANK_COLUMNS row
+    # Senders whose identity row is committed already: (rank_id, last_seen, last_seq).
+    rank_touches: list[tuple[int, float, int]] = field(default_factory=list)
+    # Senders given a full row here, with the identity it holds (committed on commit).
+    full_rows: dict[str, _RankTemplate] = field(default_factory=dict)
+    relay_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # relay sender -> counters
+    agent_drops: dict[str, dict[str, int]] = field(default_factory=dict)  # agent sender -> source -> count
+    # rank_id -> its step batches (columns in ``TABLE_COLUMNS["steps"]`` order, read-only),
+    # for history and aggregates.
+    steps_by_rank: dict[int, list[list[Column]]] = field(default_factory=dict)
+    # rank_id -> (step batch, its checked history partials) for the batches that carried
+    # them (traceml_wire/partials.py): history merges these instead of folding the rows.
+    partials_by_rank: dict[int, list[tuple[list[Column], list[tuple[int, Stats]]]]] = field(default_factory=dict)
+    partials_refused: int = 0  # partials that failed their checks (the rows were folded instead)
+    rows_stored: int = 0
+    duplicates_discarded: int = 0
+    bad_bodies: int = 0
+    high_water: dict[str, RankState] = field(default_factory=dict)
+    # sender -> (session, identity, node, now) of its latest item; the ranks row is built
+    # once per sender and transaction (in ``Ingestor.staged``), not once per batch.
+    rank_sources: dict[str, tuple[str | None, dict[str, Any], dict[str, Any], float]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
+        )
+
+    def rows(self, table: str) -> list[tuple[Any, ...]]:
+        """The rows of ``table`` as tuples, rank id first (tests and tools; the writer
+        binds the same values, ``store.writer.chunk_statements``)."""
+        return [(rank_id, *row) for rank_id, cols in self.chunks.get(table, ()) for row in zip(*cols, strict=True)]
+
+
+@dataclass(frozen=True)
+class SenderId:
+    session: str
+    attempt: int
+    node_rank: int
+    global_rank: int
+
+
+def parse_agent_sender(sender: str) -> SenderId | None:
+    """What an agent sender id states about its rank, if it has the agent shape."""
+    match = _AGENT_SENDER.match(sender)
+    if match is None:
+        return None
+    return SenderId(match["session"], int(match["attempt"]), int(match["node"]), int(match["rank"]))
+
+
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: columns(name) for name in TABLES}
+_STEP = TABLE_COLUMNS["steps"].index("step")
+_DROP_SOURCE = TABLE_COLUMNS["drops"].index("source")
+_DROP_COUNT = TABLE_COLUMNS["drops"].index("count")
+
+
+@dataclass
+class _RankTemplate:
+    """What a ranks row says besides its ids and times, cached per sender: the
+    identity a relay forwards is the same batch after batch."""
+
+    session: str | None
+    identity: dict[str, Any]
+    node: dict[str, Any]
+    middle: tuple[Any, ...]  # RANK_COLUMNS[1:-3]
+    global_rank: int | None
+    node_rank: int | None
+    run_session: str
+    attempt: int
+    world_size: int | None
+
+
+class Ingestor:
+    def __init__(self, known: dict[str, RankState] | None = None, next_rank_id: int = 1) -> None:
+        self.known: dict[str, RankState] = dict(known or {})
+        self.pending: dict[str, RankState] = {}  # staged, not yet committed
+        self.next_rank_id = next_rank_id
+        self._templates: dict[str, _RankTemplate] = {}
+        # The identity each sender's committed ranks row holds: a sender whose template
+        # is that same object needs only its dedup mark updated.
+        self._committed: dict[str, _RankTemplate] = {}
+        # Per sender, the loss counters as last put in the "drops" table: a row is stored
+        # only when its counter changed (agents repeat unchanged counters as a refresh).
+        self._drops_stored: dict[str, dict[str, int]] = {}
+
+    def statistics(self) -> dict[str, int]:
+        """How many senders each long-lived map holds (memory diagnosis)."""
+        return {"known": len(self.known), "pending": len(self.pending), "templates": len(self._templates),
+                "drops_stored": len(self._drops_stored)}
+
+    def last_seq(self, sender: str) -> int:
+        state = self.known.get(sender)
+        return state.last_seq if state else 0
+
+    def stage(
+        self,
+        plan: Plan,
+        *,
+        relay_sender: str,
+        session: str | None,
+        items: list[list[Any]],
+        peers: dict[str, dict[str, Any]],
+        node: dict[str, Any],
+        stats: dict[str, int],
+        now: float,
+    ) -> None:
+        """Add one (validated) rbatch to ``plan``."""
+        if stats:
+            plan.relay_stats.setdefault(relay_sender, {}).update(stats)
+        high_water, pending, known = plan.high_water, self.pending, self.known
+        sources = plan.rank_sources
+        for sender, seq, body in items:
+            state = high_water.get(sender)
+            if state is not None:
+                # Already this plan's own (not yet shared with ``pending``): advance in place.
+                if seq <= state.last_seq:
+                    plan.duplicates_discarded += 1
+                    continue
+                state.last_seq = seq
+            else:
+                prior = pending.get(sender) or known.get(sender)
+                if prior is not None and seq <= prior.last_seq:
+                    plan.duplicates_discarded += 1
+                    continue
+                if prior is None:
+                    state = RankState(rank_id=self.next_rank_id, last_seq=seq)
+                    self.next_rank_id += 1
+                else:
+                    state = RankState(prior.rank_id, seq, prior.global_rank, prior.node_rank, prior.session,
+                                      prior.attempt, prior.world_size)
+                high_water[sender] = state
+            # Seqs advance even when the body is bad: a resend would be equally
+            # bad, and refusing it forever would wedge the relay's buffer.
+            sources[sender] = (session, peers.get(sender) or {}, node, now)
+            try:
+                tables, partials = decode_batch(body)
+            except ProtocolError as exc:
+                plan.bad_bodies += 1
+                log.warning("discarding a bad batch body from %s seq %d: %s", sender, seq, exc)
+                continue
+            self._add_tables(plan, state.rank_id, sender, tables)
+            if partials is not None:
+                self._add_partials(plan, state.rank_id, sender, seq, tables.get("steps"), partials)
+
+    def _template(
+        self, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
+    ) -> _RankTemplate:
+        cached = self._templates.get(sender)
+        # The identity dicts are usually the very objects cached (the session's identity
+        # cache hands the same cleaned dict back): ``is`` spares comparing them.
+        if (
+            cached is not None
+            and cached.session == session
+            and (cached.identity is identity or cached.identity == identity)
+            and (cached.node is node or cached.node == node)
+        ):
+            return cached
+        parsed = parse_agent_sender(sender)
+        # The sender id is the agent's own statement of its session; the relay's
+        # hello session is the fallback for senders of another shape.
+        sess = parsed.session if parsed else (session or "unknown")
+        attempt = identity.get("attempt", parsed.attempt if parsed else 0)
+        values = dict(identity)
+        if parsed is not None:
+            values.setdefault("global_rank", parsed.global_rank)
+            values.setdefault("node_rank", parsed.node_rank)
+        # Otherwise node identity comes from the relay that forwarded it (GROUP_RANK
+        # on that host), never from the hostname alone.
+        for key in ("node_rank", "hostname"):
+            if values.get(key) is None and node.get(key) is not None:
+                values[key] = node[key]
+        values.update(sender=sender, session=sess, attempt=attempt)
+        template = _RankTemplate(
+            session=session,
+            identity=identity,
+            node=node,
+            middle=tuple(values.get(col) for col in RANK_COLUMNS[1:-3]),
+            global_rank=values.get("global_rank"),
+            node_rank=values.get("node_rank"),
+            run_session=sess,
+            attempt=attempt if isinstance(attempt, int) else 0,
+            world_size=world_size if isinstance(world_size := values.get("world_size"), int) else None,
+        )
+        self._templates[sender] = template
+        return template
+
+    def _add_tables(self, plan: Plan, rank_id: int, sender: str, tables: dict[str, list[Column]]) -> None:
+        chunks = plan.chunks
+        for name, cols in tables.items():
+            if name == "drops":
+                # Cumulative counters: the latest value per source wins the delivery figure,
+                # and the table keeps each change (when a loss happened), not each repeat.
+                cols = self._changed_drops(plan, sender, cols)
+                if cols is None:
+                    continue
+            have = chunks.get(name)
+            if have is None:
+                chunks[name] = [(rank_id, cols)]
+            else:
+                have.append((rank_id, cols))
+            plan.rows_stored += len(cols[0])  # decode_columns drops empty tables
+            if name == "steps":
+                # The decoded columns are ours alone, and only ever read from now on:
+                # history and the aggregates share them, no copy and no dict per batch.
+                batches = plan.steps_by_rank.get(rank_id)
+                if batches is None:
+                    plan.steps_by_rank[rank_id] = [cols]
+                else:
+                    batches.append(cols)
+
+    @staticmethod
+    def _add_partials(plan: Plan, rank_id: int, sender: str, seq: int, steps: list[Column] | None, raw: Any) -> None:
+        try:
+            fine = decode_partials(raw, () if steps is None else steps[_STEP])
+        except ProtocolError as exc:
+            # The rows are stored as sent and history folds them itself: nothing is lost.
+            plan.partials_refused += 1
+            log.warning("history partials from %s seq %d refused (its steps are folded instead): %s", sender, seq, exc)
+            return
+        if steps is None or not fine:
+            return
+        have = plan.partials_by_rank.get(rank_id)
+        if have is None:
+            plan.partials_by_rank[rank_id] = [(steps, fine)]
+        else:
+            have.append((steps, fine))
+
+    def _changed_drops(self, plan: Plan, sender: str, cols: list[Column]) -> list[Column] | None:
+        """Fold a batch's "drops" rows into the plan's delivery counters; return the rows
+        whose counter differs from what the table last got from ``sender`` (None: none)."""
+        drops = plan.agent_drops.setdefault(sender, {})
+        stored = self._drops_stored.setdefault(sender, {})
+        keep: list[int] = []
+        for i, (source, count) in enumerate(zip(cols[_DROP_SOURCE], cols[_DROP_COUNT], strict=True)):
+            if isinstance(source, str) and isinstance(count, int):
+                drops[source] = max(drops.get(source, 0), count)
+                if stored.get(source) == count:
+                    continue
+                stored[source] = count
+            keep.append(i)  # a malformed row is stored as sent, as before
+        if not keep:
+            return None
+        if len(keep) == len(cols[0]):
+            return cols
+        return [[col[i] for i in keep] for col in cols]
+
+    def staged(self, plan: Plan) -> None:
+        """``plan`` is on its way to the database: later plans dedup against it.
+
+        Also builds its ranks rows: one per sender, from its latest batch; narrow
+        when the sender's committed row already holds this identity."""
+        committed = self._committed
+        for sender, (session, identity, node, now) in plan.rank_sources.items():
+            state = plan.high_water[sender]
+            t = self._template(sender, session, identity, node)
+            state.global_rank, state.node_rank = t.global_rank, t.node_rank
+            state.session, state.attempt, state.world_size = t.run_session, t.attempt, t.world_size
+            if committed.get(sender) is t:
+                plan.rank_touches.append((state.rank_id, now, state.last_seq))
+            else:
+                plan.ranks[sender] = (state.rank_id, *t.middle, now, now, state.last_seq)
+                plan.full_rows[sender] = t
+        plan.rank_sources.clear()
+        self.pending.update(plan.high_water)
+
+    def commit(self, plan: Plan) -> None:
+        self.known.update(plan.high_water)
+        self._committed.update(plan.full_rows)
+        for sender, state in plan.high_water.items():
+            if self.pending.get(sender) is state:
+                del self.pending[sender]
+
+    def rollback(self, plan: Plan) -> None:
+        # Rank ids handed out by a failed plan are simply skipped; ids only need to be unique.
+        # Every staged plan after it deduplicated against it, so all pending marks go.
+        plan.high_water.clear()
+        self.pending.clear()
+        # Its drops rows never reached the table: forget what was staged, so the resent
+        # batches store them (at worst one repeat per sender).
+        self._drops_stored.clear()
+
+
+TELEMETRY_TABLES = tuple(TABLES)

@@ -1,0 +1,1 @@
+"""The Prometheus endpoint: collect a snapshot from the running daemon and render it."""

@@ -1,0 +1,37 @@
+"""Acknowledgements of one connection, written together.
+
+The writer acknowledges a whole transaction's batches in one pass of the event
+loop; queuing them here and writing them in one ``write`` at the end of that
+pass costs one send syscall per connection and transaction instead of one per
+batch. Every batch still gets its own ack, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from traceml_daemon.net.peer import PeerSession
+
+
+class AckWriter:
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._frames: list[bytes] = []
+        self.failed = False  # a batch of this connection was not stored (see fail)
+
+    def ack(self, seq: int) -> None:
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._frames.append(PeerSession.ack(seq))
+
+    def flush(self) -> None:
+        frames, self._frames = self._frames, []
+        if frames and not self._writer.is_closing():
+            self._writer.write(b"".join(frames))
+
+    def fail(self) -> None:
+        """A batch was not stored: send the acks before it, then close, so the
+        peer reconnects and resends from its buffer."""
+        self.failed = True
+        self.flush()
+        self._writer.close()
