@@ -218,8 +218,11 @@ class Runtime:
             self._builder.close()
         relay, self.relay = self.relay, None
         if relay is not None:
+            # Waiting for the node's other agents and the final flush share what is left
+            # of the one shutdown budget (TRACEML_SHUTDOWN_S), never more.
+            left = max(0.2, deadline - time.monotonic())
             try:
-                relay.stop(max(0.2, deadline - time.monotonic()))
+                relay.stop(left / 2, agent_grace=left / 2)
             except Exception as exc:
                 self.reporter.report("relay", f"node relay did not stop cleanly: {exc!r}")
 

@@ -345,3 +345,39 @@ def test_shutdown_budget_from_the_environment() -> None:
     config, problems = load_config({"TRACEML_SHUTDOWN_S": "soon"})
     assert config.shutdown_timeout_s == Config().shutdown_timeout_s
     assert len(problems) == 1 and "TRACEML_SHUTDOWN_S" in problems[0]
+
+
+def test_exit_waits_for_other_agents_no_longer_than_the_shutdown_budget() -> None:
+    """Local rank 0 hosts the node relay; a rank that stays connected must not hold
+    its exit past TRACEML_SHUTDOWN_S (it used to wait a fixed 10 s grace)."""
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        relay_port = probe.getsockname()[1]
+    with refusing_port() as daemon_port:
+        common = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "grace",
+                  "TRACEML_RELAY_PORT": str(relay_port), "TRACEML_DAEMON": f"127.0.0.1:{daemon_port}",
+                  "TRACEML_SHUTDOWN_S": "1"}
+        body = "import agent, sys, time\nagent.init()\n" + STEPS.format(n=5)
+        leader = spawn(body + "print('stepped', flush=True)\nsys.stdin.readline()\n",
+                       RANK="0", LOCAL_RANK="0", TRACEML_NO_RELAY="0", **common)
+        try:
+            assert leader.stdout is not None and leader.stdout.readline().strip() == "stepped"
+            other = spawn(body + "print('stepped', flush=True)\ntime.sleep(60)\n", RANK="1", LOCAL_RANK="1", **common)
+            try:
+                assert other.stdout is not None and other.stdout.readline().strip() == "stepped"
+                time.sleep(1.0)  # a few flushes: rank 1 is connected to the leader's relay
+                assert leader.stdin is not None
+                started = time.monotonic()
+                leader.stdin.write("exit\n")
+                leader.stdin.flush()
+                assert leader.wait(30) == 0
+                # The 1 s budget plus interpreter teardown; the old fixed grace alone was 10 s.
+                assert time.monotonic() - started < 6.0
+            finally:
+                other.kill()
+                other.wait()
+        finally:
+            leader.kill()
+            leader.wait()
