@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tests.traceml_daemon.analysis.synth import MS, make_rank, make_run
+from tests.traceml_daemon.analysis.synth import BASE, MS, make_rank, make_run
 from traceml_daemon.analysis.engine import diagnose
 from traceml_daemon.analysis.model import NodeSystem, RankStatus, Verdict
 from traceml_daemon.analysis.policy import DEFAULT_POLICY, Policy
@@ -67,3 +67,32 @@ def test_wait_gap_is_mentioned_only_above_the_policy_minimum() -> None:
     strict = replace(DEFAULT_POLICY, stragglers=replace(DEFAULT_POLICY.stragglers, wait_gap_min_ms=50.0))
     quiet = _only(diagnose(make_run(_backward_straggler()), strict), "COMPUTE_STRAGGLER")
     assert quiet.scope["global_rank"] == 3 and "wait" not in quiet.why
+
+
+def _compute_stragglers(extra_ms: float, scale: float = 1.0) -> list[Verdict]:
+    # DDP: rank 3 spends extra_ms more in backward; the others wait that long in the all-reduce,
+    # so every rank's step is the same and only busy time tells them apart.
+    def phases(r: int) -> dict[str, float]:
+        base = {p: v * scale for p, v in BASE.items()}
+        if r == 3:
+            base["backward"] += extra_ms
+        else:
+            base["wait"] += extra_ms
+        return base
+
+    run = make_run([make_rank(r, node_rank=0, **phases(r)) for r in range(4)])
+    return [v for v in diagnose(run) if v.name == "COMPUTE_STRAGGLER"]
+
+
+def test_straggler_threshold_is_relative_to_the_others_step_on_both_sides() -> None:
+    # Threshold: min_excess_frac (10%) of the others' step, here 0.1 x (100 + extra) ms.
+    (named,) = _compute_stragglers(13.0)  # 13 ms > 11.3 ms: a straggler
+    assert named.scope["global_rank"] == 3
+    assert _compute_stragglers(9.0) == []  # 9 ms < 10.9 ms: jitter, not a straggler
+
+
+def test_straggler_floor_in_ms_applies_to_tiny_steps() -> None:
+    # 10 ms steps: 10% is 1 ms, so the absolute floor (min_excess_ms, 2 ms) decides.
+    (named,) = _compute_stragglers(2.5, scale=0.1)
+    assert named.scope["global_rank"] == 3
+    assert _compute_stragglers(1.5, scale=0.1) == []
