@@ -1,9 +1,9 @@
 """What one flush puts in a batch: the tracer's rows plus the sampled state.
 
 Runs on the sender thread. Order matters: ``tracer.poll()`` first (it resolves
-finished CUDA events and lazy scalars into recorder rows), then the status,
-process, host/GPU and drop-counter rows, then one drain of the recorder so a
-batch is a consistent cut.
+finished CUDA events and lazy scalars into recorder rows), then one drain of the
+recorder so a batch is a consistent cut, then the flush's own status, process,
+host/GPU and drop-counter rows, which stay outside the recorder's cap.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ from typing import Any, Protocol
 from agent.errors import ErrorReporter
 from agent.recorder import Recorder
 from agent.samplers import GpuSampler, Nvml, ProcessSampler, SystemSampler
+from traceml_wire.tables import TableBuilder
 
 Tables = dict[str, dict[str, list[Any]]]
 
 IDLE_STATUS: dict[str, Any] = {"phase": "idle", "phase_since": None, "step": None, "steps_done": 0}
 
-# The loss counters ("drops" rows: ten of them, cumulative, nearly always zero) go out
-# when one changed, and otherwise once every this many flushes, after a reconnect and
-# at the end. Sent with every one-second flush they were as many rows as a 10-step/s
-# rank's steps, and the daemon stored each one: at 4096 ranks, ~40,000 rows a second
-# that say nothing new. The refresh covers a batch lost on the way (a resend-buffer
-# eviction changes a counter itself, and so sends the set).
+# The loss counters (cumulative, nearly always zero) go out when one changed, after a
+# reconnect, at the end, and otherwise once every this many flushes, which covers a
+# batch lost on the way without storing the same rows every second.
 COUNTERS_REFRESH_FLUSHES = 60
 
 
@@ -92,7 +90,6 @@ class BatchBuilder:
             self._reporter.report("tracer-poll", f"step capture error (steps may be missing): {exc!r}")
 
     def build(self, now: float, *, final: bool) -> Tables:
-        rec = self._recorder
         status = dict(IDLE_STATUS)
         if self._tracer is not None:
             try:
@@ -106,21 +103,24 @@ class BatchBuilder:
                 status.update(self._tracer.status())
             except Exception as exc:
                 self._reporter.report("tracer-status", f"could not read step status: {exc!r}")
-        rec.add("status", {**status, "ts": now, "finished": 1 if final else 0})
-        self._sample(now)
+        tables = self._recorder.drain()
+        # The flush's own rows bypass the recorder: a recorder full of steps must not
+        # drop the final status or the very counters that report its drops.
+        own: dict[str, list[dict[str, Any]]] = {"status": [{**status, "ts": now, "finished": 1 if final else 0}]}
+        self._sample(now, own)
         if self._resend_models:
             self._resend_models = False
-            for row in self._optional("model_rows", list):
-                rec.add("models", row)
+            own["models"] = list(self._optional("model_rows", list))
         counters = {**self._counters(), **self._optional("counters", dict)}
         self._flushes_since_counters += 1
         if (final or counters != self._sent_counters
                 or self._flushes_since_counters >= COUNTERS_REFRESH_FLUSHES):
             self._sent_counters = counters
             self._flushes_since_counters = 0
-            for source, count in counters.items():
-                rec.add("drops", {"ts": now, "source": source, "count": count})
-        return rec.drain()
+            own["drops"] = [{"ts": now, "source": source, "count": count} for source, count in counters.items()]
+        for name, rows in own.items():
+            _append_rows(tables, name, rows)
+        return tables
 
     def _optional(self, name: str, kind: type) -> Any:
         """A tracer extra beyond the fixed interface (model_rows, counters), if present."""
@@ -133,14 +133,12 @@ class BatchBuilder:
             self._reporter.report(f"tracer-{name}", f"could not read tracer {name}: {exc!r}")
             return kind()
 
-    def _sample(self, now: float) -> None:
-        rec = self._recorder
+    def _sample(self, now: float, own: dict[str, list[dict[str, Any]]]) -> None:
         try:
-            rec.add("process", self._process.sample(now))
+            own["process"] = [self._process.sample(now)]
             if self._is_leader():
-                rec.add("system", self._system.sample(now))
-                for row in self._gpus.sample(now) if self._gpus is not None else []:
-                    rec.add("gpu", row)
+                own["system"] = [self._system.sample(now)]
+                own["gpu"] = self._gpus.sample(now) if self._gpus is not None else []
         except Exception as exc:  # psutil on an exotic platform: lose samples, not steps
             self._reporter.report("sampler", f"resource sampling failed: {exc!r}")
 
@@ -154,3 +152,18 @@ def _accepts(method: Any, keyword: str) -> bool:
         return method is not None and keyword in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _append_rows(tables: Tables, name: str, rows: list[dict[str, Any]]) -> None:
+    """Add row dicts to the columnar table ``name`` of a drained batch."""
+    if not rows:
+        return
+    builder = TableBuilder(name)
+    for row in rows:
+        builder.append(row)
+    cols = builder.take()
+    if name not in tables:
+        tables[name] = cols
+        return
+    for col, values in cols.items():
+        tables[name][col].extend(values)
