@@ -13,14 +13,8 @@ exit, the model's call wrapper (``capture.model.TimedCall``; forward hooks only
 where ordering needs them), the backward wrapper, two optimizer hooks and the
 DataLoader patch. Inside a real step all of that runs with cold caches (the
 step's own torch work evicts it), where every bytecode, call and touched
-object costs several times its hot-loop price: step enter + exit measured
-~3.5 us inside a 4-module step against ~0.7 us in a tight loop, torch's hook
-dispatch for two empty root forward hooks ~5-6 us against ~1.7 us. The
-``null`` control of bench/overhead.py (the same entry points, empty) costs
-~2 us at 4 and 64 modules and ~9 us at 512, where the step is 2.4 ms of
-Python and torch that leave everything cold; the tracer costs ~8-9 us and
-~20 us there: the growth is coldness of the same code, not work that
-depends on the module count (there is none). So the hooks do their work
+object costs several times its hot-loop price (figures: docs/performance.md).
+So the hooks do their work
 inline (no call into a Tracer method on CPU), no status object is published
 per phase change (``status()`` derives it), a record is created without an
 ``__init__`` frame, every uncommon branch of step enter/exit sits out of line
@@ -181,10 +175,8 @@ class Tracer:
     # False from __exit__: the runtime hands them to user code without a Guarded wrapper.
     FAIL_OPEN_CONTEXTS = True
 
-    # Slots, hot ones first. With its 37 attributes an instance's __dict__ no longer shares
-    # keys (CPython 3.11 stops at 30): it was a 1.5 KB hash table whose entries the hooks'
-    # lookups hit at scattered places. Slots are fixed offsets, and the fields a step
-    # touches share the object's first cache lines (a step runs with cold caches).
+    # Slots, hot ones first: fixed offsets instead of a large unshared __dict__, and the
+    # fields a step touches share the object's first cache lines (a step runs cold).
     __slots__ = (
         "_active", "_fed_ns", "_any_fetch", "_rare", "_pending", "_last", "_steps_done",
         "_dl_t0", "_fed_by", "_models", "_backend", "_fetches", "_fetch_seq", "_h2d_t0",

@@ -3,8 +3,7 @@
 The daemon keeps downsampled history per rank and per node: for every bucket
 of ``FINE_STEPS`` steps the count, min, max and sum of the step time and of
 every phase, and coarser levels merged from those buckets. Folding raw steps
-into buckets costs ~0.3 us a row of Python, and at a few hundred thousand
-rows a second that was the daemon's largest share of the GIL after SQLite
+into buckets in the daemon was its largest share of the GIL after SQLite
 itself. The rows are produced on many hosts; the fold is exact and
 order-free. So an agent computes its batch's fine buckets on its sender thread
 (``encode_partials``) and sends them beside its steps (the body's

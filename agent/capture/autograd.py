@@ -6,13 +6,10 @@ autograd engine. Outside a traced step the wrapper is a single attribute
 check, so untraced code (evaluation, other libraries) pays almost nothing.
 
 The wrapper takes torch's own parameters by name and passes them on by
-position (``KNOWN_PARAMS``). A ``*args, **kwargs`` wrapper packs a tuple and a
-dict on every call and unpacks them again through the interpreter's generic
-call path, code the training step itself never runs: counted under
-cachegrind in a real CPU step (bench/agent_cachegrind.py), the explicit form
-takes ~94 fewer L1 instruction-cache misses a step, ~10% of what the tracer
-adds (timed, the gain is within bench/overhead.py's noise in some runs; see
-README). A torch whose ``backward`` no longer starts with those parameters
+position (``KNOWN_PARAMS``): a ``*args, **kwargs`` wrapper would pack and unpack
+a tuple and a dict on every call through the interpreter's generic call path,
+code the training step never runs, so it costs instruction-cache misses (see
+docs/performance.md). A torch whose ``backward`` no longer starts with those parameters
 gets the generic form (``_generic``), the same bookkeeping through two helper
 calls.
 """

@@ -39,8 +39,8 @@ class CudaEventBackend:
     """Pooled ``torch.cuda.Event(enable_timing=True)``; created lazily up to ``cap``.
 
     Every call here runs on the training thread, so each goes straight to torch's C
-    functions where the public wrappers cost far more than the work (measured on an
-    H100 host, bench/cuda_calls.py): ``max_memory_allocated()`` and ``memory_reserved()``
+    functions where the public wrappers cost far more than the work (bench/cuda_calls.py):
+    ``max_memory_allocated()`` and ``memory_reserved()``
     each build and flatten the allocator's whole statistics dict in Python, and
     ``Event.record()`` builds a new ``Stream`` object to find the current stream.
     Here one statistics read gives both figures, and streams are looked up by their

@@ -8,12 +8,9 @@ so the per-step cost is flat in the number of submodules. Two mechanisms:
   name runs around the whole call, after which torch's ``_call_impl`` takes its
   fast path (no hooks on the module). Forward hooks instead send the root's
   ``_call_impl`` down the slow path (a closure, a set, tuple unpacking,
-  per-hook dict lookups): measured in a real step (bench/overhead.py, the
-  ``null_fwd_hooks`` / ``null_fwd_wrap`` controls), two empty hooks cost ~6.5 us
-  a step and an empty wrapper ~3 us; with all the agent's entry points empty
-  (``null_hooks`` / ``null``), ~4.5-5 us against ~1.5-2.5 us. The wrapper times
-  exactly what the hooks timed plus
-  any other forward hooks on the module (they run inside ``_call_impl``), and
+  per-hook dict lookups), which costs about twice the wrapper in a real step
+  (bench/overhead.py's ``null_fwd_hooks`` / ``null_fwd_wrap`` controls). The
+  wrapper times exactly what the hooks timed plus any other forward hooks on the module (they run inside ``_call_impl``), and
   like hooks it does not see ``model.forward(x)`` called directly (the daemon
   reports that as missing forward); ``model.forward`` itself is left alone
   (introspection, libraries that wrap it).

@@ -8,9 +8,8 @@ commit, so the bound covers the transaction in flight too.
 
 ``ByteBudget``: frames read from sockets but not yet queued, across every
 connection. Without it each handler blocked in ``put`` still held the frames
-it had read, so a saturated daemon's memory grew with its connections: 512
-relays sending 2 MB rbatches took it to 1.9 GB (bench/ingest.py, R=4096
-throughput). A handler reserves a frame's bytes before it reads the body and
+it had read, so a saturated daemon's memory grew with its connections. A
+handler reserves a frame's bytes before it reads the body and
 gives them back once the frame is queued (or dropped).
 """
 
