@@ -1,15 +1,10 @@
 """The newest N numbers of a series, stored flat (the rings of ``analysis.rolling``).
 
-A ``deque`` of Python ints costs ~36 bytes per value and is a container the
-cyclic GC walks value by value: 4096 ranks x 8 series x 200 values is 6.5M
-references, and every full collection walked them all (~90 ms each, measured).
-An ``array('d')`` holds 8 bytes per value and nothing the GC looks into.
-Doubles are exact for integers below 2**53 (104 days in nanoseconds).
-
-Integer series (nanoseconds) use ``typecode="q"``: extending a double array
-with Python ints converts each through a temporary float object (measured:
-6% of the daemon's GIL time at 100k steps/s), an int64 array stores them as
-they are.
+A ``deque`` of Python ints is several times larger per value and a container
+the cyclic GC walks value by value, at every full collection, across every
+rank's series; an ``array`` holds 8 bytes per value and nothing the GC looks
+into. Integer series (nanoseconds) use ``typecode="q"``, so ints are stored as
+they are instead of through a temporary float each.
 """
 
 from __future__ import annotations
