@@ -17,6 +17,7 @@ from traceml_daemon.analysis.nodes import node_views, skews
 from traceml_daemon.analysis.report import format_verdicts
 from traceml_daemon.store import reader
 from traceml_daemon.store.gc_pause import gc_paused
+from traceml_wire.printable import printable_text
 
 log = logging.getLogger("traceml_daemon.commands.summary")
 
@@ -210,7 +211,8 @@ def render_text(summary: dict[str, Any]) -> str:
         )
     lines += ["", "Delivery"]
     lines += [f"  {k}: {v}" for k, v in summary["delivery"].items()]
-    return "\n".join(lines) + "\n"
+    # Hostnames, sessions and verdict texts carry peer strings: no escape sequence reaches the terminal.
+    return printable_text("\n".join(lines)) + "\n"
 
 
 def write_summary_files(db_path: str, summary: dict[str, Any]) -> list[str]:

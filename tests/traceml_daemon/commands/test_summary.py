@@ -19,7 +19,7 @@ def summary(db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def write_run(db: Path) -> None:
+def write_run(db: Path, hostname: str = "host{node}") -> None:
     """2 nodes x 2 ranks through two relays; rank 3 is slower."""
     with DaemonProcess(db) as daemon:
         for node in (0, 1):
@@ -32,8 +32,9 @@ def write_run(db: Path) -> None:
                     step_ns = 40_000_000 if rank == 3 else 20_000_000
                     items.append([sender, 1, steps_body(0, 20, step_ns=step_ns)])
                     peers[sender] = {"global_rank": rank, "local_rank": local, "node_rank": node,
-                                     "world_size": 4, "nnodes": 2, "hostname": f"host{node}", "parallelism": "ddp"}
-                c.rbatch(1, items, peers, node={"node_rank": node, "hostname": f"host{node}"}, stats={"dropped_batches": 0})
+                                     "world_size": 4, "nnodes": 2, "hostname": hostname.format(node=node), "parallelism": "ddp"}
+                node_id = {"node_rank": node, "hostname": hostname.format(node=node)}
+                c.rbatch(1, items, peers, node=node_id, stats={"dropped_batches": 0})
                 assert c.recv() == {"t": "ack", "seq": 1}
         assert daemon.stop() == 0
 
@@ -164,3 +165,14 @@ def test_sample_of_contiguous_steps_is_every_kth_and_the_dense_tail(tmp_path: Pa
         # tail = min(SAMPLE_TAIL_STEPS, cap // 2) = 300; every = ceil(3000 / (600 - 300)) = 10.
         assert data.steps == sorted({*range(0, 3000, 10), *range(2700, 3000)})
         assert data.steps_stored == 3000 and data.global_rank == rank.global_rank
+
+
+def test_summary_text_escapes_control_characters_from_peers(tmp_path: Path) -> None:
+    db = tmp_path / "run.db"
+    write_run(db, hostname="evil\x1b[2J\x07{node}")
+    done = summary(db)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "evil\\x1b[2J\\x070" in done.stdout  # shown, escaped
+    as_json = json.loads(summary(db, "--json").stdout)
+    assert as_json["ranks"][0]["hostname"] == "evil\x1b[2J\x070"  # JSON keeps the exact value
