@@ -76,6 +76,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
     p.add_argument("--retention-days", type=float, help="delete raw rows older than this many days (history stays)")
     p.add_argument("--max-db-mb", type=float, help="delete the oldest raw rows while the db uses more than this")
+    p.add_argument("--shared-files", action="store_true",
+                   help="make the database, logs and summaries readable by others (default: owner only, 0600)")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -124,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from traceml_daemon.net import loop as _loop
     from traceml_daemon.net.server import ServerConfig, run_server
     from traceml_daemon.store.migrate import SchemaError
+    from traceml_daemon.store.permissions import restrict_files
     from traceml_wire.addresses import is_loopback
 
     token = read_token(args.token_file)
@@ -135,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    restrict_files(args.db, shared=args.shared_files)
     config = ServerConfig(
         db_path=args.db,
         host=args.host,

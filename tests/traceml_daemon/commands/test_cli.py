@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.support.procs import DaemonProcess, base_env
+from tests.traceml_daemon.wire_client import WireClient, agent_sender, peers_for, steps_body
+from traceml_wire import messages
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -89,3 +92,25 @@ def test_a_port_taken_between_bind_and_listen_is_a_clear_error(tmp_path: Path) -
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "another process" in done.stderr and "--port" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()}
+
+
+def test_database_and_summaries_are_private_unless_shared(tmp_path: Path) -> None:
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    for folder, args in ((private, ()), (shared, ("--shared-files",))):
+        folder.mkdir()
+        old = folder / "run.db"
+        old.write_bytes(b"")  # left world-readable by an earlier run
+        old.chmod(0o644 if not args else 0o600)
+        with DaemonProcess(old, args=args) as daemon:
+            with WireClient(daemon.port) as c:
+                assert c.handshake("relay/s1/n0/1-r")["t"] == messages.ACCEPT
+                c.rbatch(1, [[agent_sender("s1", 0), 1, steps_body(0, 5)]], peers_for(0))
+                assert c.recv() == {"t": "ack", "seq": 1}
+            assert daemon.stop() == 0
+    assert _modes(private) == {name: 0o600 for name in _modes(private)}
+    assert {"run.db", "final_summary.json", "final_summary.txt"} <= set(_modes(private))
+    assert all(mode & 0o044 for mode in _modes(shared).values()), _modes(shared)
