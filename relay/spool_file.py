@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -52,6 +53,33 @@ class _Entry:
     length: int  # of the packed rbatch
     n_items: int
     body_bytes: int
+
+
+def ensure_private_dir(directory: str) -> None:
+    """Create ``directory`` 0700, or accept an existing one only if this user owns it.
+
+    Spooled rbatches hold every rank's telemetry and the default directory sits under
+    a shared temporary folder, where another user could have made it first (to read
+    the records, or to swap the folder under us). Refusals are PermissionErrors whose
+    text says what to do; the caller warns once and keeps the data in memory.
+    """
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    uid = os.getuid()
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        raise PermissionError(
+            f"spool directory {directory} is not a directory owned by this user (uid {uid}); "
+            "refusing to spool there: set TRACEML_SPOOL_DIR to a private directory"
+        )
+    parent = os.stat(os.path.dirname(directory))
+    if parent.st_uid != uid and parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX:
+        raise PermissionError(
+            f"spool directory {directory} sits in a folder other users can write to; "
+            "refusing to spool there: set TRACEML_SPOOL_DIR to a private directory"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(directory, 0o700)
 
 
 class Spool:
@@ -147,7 +175,7 @@ class Spool:
     def _segment_for(self, size: int) -> _Segment:
         seg = self._writing
         if seg is None or (seg.size + size > self.segment_bytes and seg.size > len(MAGIC)):
-            os.makedirs(self.directory, exist_ok=True)
+            ensure_private_dir(self.directory)
             self._n_segments += 1
             path = os.path.join(self.directory, f"{self._prefix}-{self._n_segments:06d}.trs")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
