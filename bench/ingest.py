@@ -48,14 +48,9 @@ and the rest. Their sum near 100% means the GIL, not the cores, is the limit.
 Paced cases also print the daemon's RSS every ``--rss-every`` seconds, split
 into anonymous and file-backed memory (``/proc/PID/smaps_rollup``): a number
 still rising at the end of a run is growth, not a peak. They print the daemon's
-CPU per interval too: at 4096 ranks it rises over the first ~60 s and then holds
-(measured 47% -> 63-71% over 240 s), so a short run's average understates the
-steady state; read the late intervals. Why it rises: once every rank's tail of
-each per-rank index sits on a page of its own, each commit writes a whole page per
-rank and index to the WAL. ``bench/walpages.py`` on a live 4096-rank database:
-73% of the WAL's frames were ``steps_by_rank`` pages and 14% ``process_by_rank``
-(the rows themselves, ``steps``, 10%); with those two indexes left empty the same
-case levelled at ~50% of a core instead of ~67%.
+CPU per interval too: at thousands of ranks it rises over the first minute and
+then holds, so a short run's average understates the steady state; read the late
+intervals (``bench/walpages.py`` shows which index pages a commit writes).
 
 Ends with one JSON line holding every figure.
 """
@@ -521,7 +516,7 @@ def main() -> None:
                         f"default: {WINDOW_ROWS} step rows' worth over all the relays, at least 2 each)")
     p.add_argument("--modes", nargs="*", default=["throughput", "paced"], choices=["throughput", "paced"])
     p.add_argument("--relays", type=int, default=None,
-                   help="relays per case (default R/8; DESIGN.md's 4096-rank scenario is 64)")
+                   help="relays per case (default R/8; the design's 4096-rank scenario uses 64: docs/performance.md)")
     p.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples (paced)")
     p.add_argument("--versus", nargs="*", default=[], metavar="KEY=VALUE",
                    help="every case also runs, right before, with these IngestPolicy fields replaced "

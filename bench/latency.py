@@ -32,7 +32,7 @@ phases fell: runs are repeated (``--runs``) and reported each and pooled.
 
     .venv/bin/python bench/latency.py [--ranks 2] [--seconds 20] [--runs 3] [--flush-s default]
 
-Target (DESIGN): p99 <= 1.5 s. Ends with one JSON line.
+Target (docs/performance.md): p99 <= 1.5 s. Ends with one JSON line.
 """
 
 from __future__ import annotations
