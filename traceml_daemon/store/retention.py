@@ -1,7 +1,7 @@
 """Retention: bound raw telemetry by age and by database size; keep history.
 
-The writer calls ``enforce`` between its transactions (so there is never a
-second writer). Raw rows go oldest first, in chunks of ``chunk_rows``, each
+The writer runs a pass between its transactions (so there is never a second
+writer), when ``RetentionSchedule`` says one is due. Raw rows go oldest first, in chunks of ``chunk_rows``, each
 chunk its own short transaction, so ingest never waits long behind a delete.
 Only raw time series are trimmed; ``rank_history``, ``node_history``, the
 reservoir, ``ranks``, ``status`` (one row per rank) and ``delivery`` stay, so a
@@ -21,11 +21,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
+import time
 from dataclasses import dataclass
 
 import aiosqlite
 
+from traceml_daemon.store.db_thread import on_db_thread
+
 log = logging.getLogger("traceml_daemon.retention")
+# A failed pass is the writer's to report, under the writer's logger as before.
+_writer_log = logging.getLogger("traceml_daemon.writer")
 
 # Raw tables trimmed, with the column holding wall-clock time and its scale to seconds.
 # ``status`` holds one row per rank (a rank's last word: finished or not) and stays.
@@ -67,10 +72,10 @@ async def used_bytes(db: aiosqlite.Connection) -> int:
 
 
 async def _delete_chunk(db: aiosqlite.Connection, sql: str, params: tuple[float | int, ...]) -> int:
-    # One call on the database thread (aiosqlite's private _execute, as the writer uses):
-    # the writer queues its next transaction on that thread while the previous one
-    # runs, and one queued between this BEGIN and COMMIT would begin inside it.
-    return int(await db._execute(_delete_chunk_now, db._conn, sql, params))
+    # One call on the database thread: the writer queues its next transaction on that
+    # thread while the previous one runs, and one queued between this BEGIN and
+    # COMMIT would begin inside it.
+    return int(await on_db_thread(db, _delete_chunk_now, sql, params))
 
 
 def _delete_chunk_now(conn: sqlite3.Connection, sql: str, params: tuple[float | int, ...]) -> int:
@@ -164,3 +169,43 @@ async def enforce(db: aiosqlite.Connection, policy: RetentionPolicy, now: float)
     if deleted:
         log.info("retention deleted %d raw rows", deleted)
     return Enforced(deleted, done)
+
+
+class RetentionSchedule:
+    """When the writer runs a pass of ``policy`` (None: never): after a transaction,
+    every ``interval_s``, or after the very next one when the last pass ran out of
+    budget with work left, so retention keeps up with any ingest rate and ingest
+    never waits long. One pass at a time."""
+
+    def __init__(self, policy: RetentionPolicy | None) -> None:
+        self.policy = policy
+        self._next = 0.0
+        self._behind = False  # the last pass ran out of budget (see run)
+        self._running = False
+
+    async def maybe_run(self, db: aiosqlite.Connection | None) -> None:
+        """After a transaction: a pass when one is due."""
+        due = self._behind or time.monotonic() >= self._next
+        # Two transactions finish close together: one pass at a time.
+        if self.policy is not None and due and not self._running:
+            self._next = time.monotonic() + self.policy.interval_s
+            self._running = True
+            try:
+                await self.run(db)
+            finally:
+                self._running = False
+
+    async def run(self, db: aiosqlite.Connection | None) -> int:
+        """One bounded pass on ``db`` (the writer's, open); returns raw rows deleted.
+        Failures are logged, not raised."""
+        assert db is not None, "open() first"
+        if self.policy is None:
+            return 0
+        try:
+            result = await enforce(db, self.policy, time.time())
+        except sqlite3.Error as exc:
+            _writer_log.error("retention failed: %s", exc)
+            self._behind = False
+            return 0
+        self._behind = not result.done
+        return result.deleted

@@ -108,7 +108,7 @@ def test_history_is_written_once_the_backlog_passes_its_bound(tmp_path: Path) ->
         for first in range(0, 1200, 100):  # 12 transactions of 3 ranks x 100 steps
             seq += 1
             assert await writer.write([batch(seq, [0, 1, 2], first, 100)])
-            assert writer.backlog.rows < policy.history_backlog_rows + 300
+            assert writer.history.backlog.rows < policy.history_backlog_rows + 300
         # Not closed: what the bound flushed is there without the final write.
         conn = ro(db)
         written = conn.execute("SELECT sum(n) FROM rank_history WHERE level=?", (HISTORY_LEVELS[0],)).fetchone()[0]
@@ -137,7 +137,7 @@ def test_history_backlog_bound_is_per_rank_with_many_ranks(tmp_path: Path) -> No
         held = []
         for seq in range(3, 7):
             assert await writer.write([batch(seq, ranks, 50 * (seq - 1), 50)])
-            held.append(writer.backlog.rows)
+            held.append(writer.history.backlog.rows)
         assert held == [300, 450, 600, 150]  # folded and written once it reached 600
         await writer.close()
 
@@ -175,7 +175,7 @@ def test_int64_ring_clamps_instead_of_failing() -> None:
 def test_multi_row_statements_insert_the_same_rows() -> None:
     import sqlite3
 
-    from traceml_daemon.ingest.pipeline import multi_row
+    from traceml_daemon.store.statements import multi_row
 
     conn = sqlite3.connect(":memory:")
     conn.execute("CREATE TABLE t (a, b, c)")
@@ -189,7 +189,7 @@ def test_multi_row_statements_insert_the_same_rows() -> None:
 def test_chunk_statements_insert_every_batch_row_in_order_across_statement_bounds() -> None:
     import sqlite3
 
-    from traceml_daemon.ingest.pipeline import ROWS_PER_STATEMENT, chunk_statements
+    from traceml_daemon.store.statements import ROWS_PER_STATEMENT, chunk_statements
 
     conn = sqlite3.connect(":memory:")
     conn.execute("CREATE TABLE t (rank_id, a, b, c)")
