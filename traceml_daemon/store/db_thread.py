@@ -1,12 +1,14 @@
 """Run one function on an aiosqlite connection's own thread, with its sqlite3 connection.
 
-aiosqlite has no public "run this function on your thread", and the writer needs
-exactly that: a whole transaction in one call, not one awaited round trip (and GIL
-hand-off) per statement. Its private ``Connection._execute`` and ``Connection._conn``
-do it, so pyproject.toml pins aiosqlite to the versions they were tested with
-(0.22.x), and ``require_private_api`` (run at ``StoreWriter.open``; the test
-``tests/traceml_daemon/ingest/test_aiosqlite_api.py``) names the one that is gone.
-The public API cannot do the same at the same cost: see docs/performance.md.
+The writer needs a whole transaction in one call, not one awaited round trip (and
+GIL hand-off) per statement, and aiosqlite has no public "run this function on
+your thread": its private ``Connection._execute`` and ``Connection._conn`` do it.
+Choice (b), pin, not the public API: with one awaited call per statement a
+transaction could not be queued whole behind the running one, nor fold history on
+this thread, and ingest throughput is a design target (docs/performance.md).
+pyproject.toml pins aiosqlite to the versions these calls were tested with, and
+``require_private_api`` (run by ``StoreWriter.open``; tested in
+``tests/traceml_daemon/ingest/test_aiosqlite_api.py``) names a member that is gone.
 """
 
 from __future__ import annotations
