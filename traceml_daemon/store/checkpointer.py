@@ -4,9 +4,7 @@ In WAL mode every commit appends pages to the ``-wal`` file, and a checkpoint
 copies them back into the database file. SQLite's automatic checkpoint runs
 inside the COMMIT that crosses ``wal_autocheckpoint`` pages, on the committing
 connection: in the daemon that is the writer's database thread, the ingest
-pipeline's bottleneck, which then spends that COMMIT copying tens of MB (1024
-ranks, saturated: 352k against 325k rows/s stored with checkpoints off
-altogether, same run).
+pipeline's bottleneck (figures: docs/performance.md).
 
 The ``Checkpointer`` thread looks at the WAL every ``interval_s`` and, once
 ``frames`` pages wait to be copied, runs a PASSIVE checkpoint from a second
@@ -23,8 +21,7 @@ transactions: the writer's next transaction then starts the WAL file over
 from its beginning (SQLite's WAL restart). The writer's own automatic
 checkpoint stays on, at twice ``frames``, as the backstop (the thread
 stopped, or a reader that holds old frames), so the file stays under about
-twice the size inline checkpoints keep it at (1024 ranks saturated: 132 MB
-against 64-76 MB; it is reused, not grown, after that).
+twice the size inline checkpoints keep it at (it is reused, not grown, after that).
 
 Whether pages wait is read from the WAL-index header in the ``-shm`` file
 (``mxFrame`` and ``nBackfill``, https://www.sqlite.org/walformat.html): a 132-byte

@@ -1,8 +1,9 @@
 """Retention: bound raw telemetry by age and by database size; keep history.
 
 The writer runs a pass between its transactions (so there is never a second
-writer), when ``RetentionSchedule`` says one is due. Raw rows go oldest first, in chunks of ``chunk_rows``, each
-chunk its own short transaction, so ingest never waits long behind a delete.
+writer), when ``RetentionSchedule`` says one is due. Raw rows go oldest first,
+in chunks of ``chunk_rows``, each chunk its own short transaction, so ingest
+never waits long behind a delete.
 Only raw time series are trimmed; ``rank_history``, ``node_history``, the
 reservoir, ``ranks``, ``status`` (one row per rank) and ``delivery`` stay, so a
 run's overview, counters and each rank's last status survive the raw rows.

@@ -161,8 +161,7 @@ def test_history_lost_in_a_crash_is_caught_up_from_raw_rows_on_open(tmp_path: Pa
 def test_a_history_write_dirties_pages_by_level_not_by_rank(tmp_path: Path) -> None:
     """Every rank's current buckets are written together; keyed (level, bucket,
     rank) they share pages. Keyed rank first, each rank's rows sat on a page of
-    its own and one write dirtied a page per rank and level (57 MB of WAL a
-    second at 4096 ranks)."""
+    its own and one write dirtied a page per rank and level."""
     db = tmp_path / "w.db"
     ranks = list(range(128))
 
