@@ -32,6 +32,12 @@ from typing import Any
 
 from traceml_wire.errors import ProtocolError
 
+# The identity fields a hello may carry, their types and bounds and their check are
+# declared in traceml_wire/identity.py; re-exported for callers that say messages.*.
+from traceml_wire.identity import IDENTITY_INT_FIELDS as IDENTITY_INT_FIELDS
+from traceml_wire.identity import IDENTITY_STR_FIELDS as IDENTITY_STR_FIELDS
+from traceml_wire.identity import CleanIdentity, clean_identity
+
 PROTOCOL_VERSION = 1
 
 CHALLENGE = "challenge"
@@ -49,19 +55,6 @@ ROLES = frozenset({ROLE_AGENT, ROLE_RELAY})
 
 CLIENT_TYPES = frozenset({HELLO, BATCH, RELAY_BATCH, BYE})
 SERVER_TYPES = frozenset({CHALLENGE, ACCEPT, REFUSE, ACK})
-
-# Identity fields a hello may carry; all optional on the wire, typed when present.
-IDENTITY_INT_FIELDS = (
-    "global_rank",
-    "local_rank",
-    "node_rank",
-    "world_size",
-    "local_world_size",
-    "nnodes",
-    "attempt",
-    "pid",
-)
-IDENTITY_STR_FIELDS = ("hostname", "run_id", "parallelism", "device")
 
 
 def challenge(nonce: bytes) -> dict[str, Any]:
@@ -142,26 +135,10 @@ def _seq(message: dict[str, Any]) -> int:
     return seq
 
 
-def clean_identity(raw: object) -> dict[str, Any]:
-    """Keep only known identity fields of the right type; drop the rest."""
-    if not isinstance(raw, dict):
-        raise ProtocolError("hello identity must be a map")
-    out: dict[str, Any] = {}
-    for key in IDENTITY_INT_FIELDS:
-        value = raw.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            out[key] = value
-    for key in IDENTITY_STR_FIELDS:
-        value = raw.get(key)
-        if isinstance(value, str):
-            out[key] = value[:256]
-    return out
+IdentityCache = dict[str, tuple[Any, CleanIdentity]]  # sender -> (identity as sent, cleaned)
 
 
-IdentityCache = dict[str, tuple[Any, dict[str, Any]]]  # sender -> (identity as sent, cleaned)
-
-
-def _cleaned(cache: IdentityCache | None, key: str, raw: object, max_entries: int) -> dict[str, Any]:
+def _cleaned(cache: IdentityCache | None, key: str, raw: object, max_entries: int) -> CleanIdentity:
     """``clean_identity(raw)``, reusing the result while ``key`` sends the same identity.
 
     A relay repeats every agent's identity in every rbatch; comparing it with the
