@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from traceml_wire.identity import IDENTITY_FIELDS
+
 
 @dataclass(frozen=True)
 class DistState:
@@ -46,11 +48,10 @@ class Identity:
     source: str  # "dist" | "torchrun" | "slurm" | "single": which launcher we read
 
     def wire(self) -> dict[str, Any]:
-        """The identity map a hello carries (traceml_wire.messages field names)."""
-        out = asdict(self)
-        out["run_id"] = out.pop("session")
-        out.pop("source")
-        return out
+        """The identity map a hello carries: this identity's fields that
+        traceml_wire.identity declares, under their declared names (``source`` is
+        the agent's own business; the runtime adds ``parallelism`` once known)."""
+        return {name: value for name, value in asdict(self).items() if name in IDENTITY_FIELDS}
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -71,13 +72,21 @@ def _first_int(env: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
-def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
-    """SLURM_NTASKS_PER_NODE, or the first count of SLURM_TASKS_PER_NODE ("4(x2),3")."""
+def _slurm_tasks_per_node(env: Mapping[str, str], node_rank: int | None) -> int | None:
+    """SLURM_NTASKS_PER_NODE, else this node's count in SLURM_TASKS_PER_NODE
+    ("4(x2),3": nodes 0 and 1 run 4 tasks, node 2 runs 3), else its first count."""
     value = _int(env, "SLURM_NTASKS_PER_NODE")
     if value is not None:
         return value
-    match = re.match(r"\s*(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))
-    return int(match.group(1)) if match else None
+    first: int | None = None
+    nodes_before = 0  # nodes covered by the groups already read
+    for match in re.finditer(r"(\d+)(?:\(x(\d+)\))?", env.get("SLURM_TASKS_PER_NODE", "")):
+        count, repeat = int(match.group(1)), int(match.group(2) or 1)
+        first = count if first is None else first
+        if node_rank is not None and nodes_before <= node_rank < nodes_before + repeat:
+            return count
+        nodes_before += repeat
+    return first
 
 
 def _sanitize(text: str) -> str:
@@ -122,8 +131,8 @@ def resolve_identity(
         rank = _first_int(env, "SLURM_PROCID") or 0
         world = _first_int(env, "SLURM_NTASKS", "SLURM_NPROCS") or 1
         local_rank = _first_int(env, "SLURM_LOCALID")
-        local_world = _slurm_tasks_per_node(env)
         node_rank = _first_int(env, "SLURM_NODEID")
+        local_world = _slurm_tasks_per_node(env, node_rank)
         nnodes = _first_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     else:
         source = "single"
@@ -187,7 +196,10 @@ def current_identity(env: Mapping[str, str] | None = None) -> Identity:
 
 
 def agent_sender_id(identity: Identity, rand: str | None = None) -> str:
-    """``{session}/a{attempt}/n{node_rank}/r{global_rank}/{pid}-{rand}`` (docs/internals.md)."""
+    """``{session}/a{attempt}/n{node_rank}/r{global_rank}/{pid}-{rand}`` (docs/internals.md).
+
+    Readable in logs, unique per process; an opaque key to the relay and daemon,
+    which take identity from the hello (``wire``), never from this string."""
     tail = rand if rand is not None else secrets.token_hex(3)
     return (
         f"{identity.session}/a{identity.attempt}/n{identity.node_rank}/"

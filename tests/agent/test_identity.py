@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -9,6 +10,7 @@ import pytest
 
 from agent import identity as identity_mod
 from agent.identity import DistState, agent_sender_id, resolve_identity, session_from_env
+from traceml_wire.identity import IDENTITY_NAMES, clean_identity
 
 
 def resolve(env: dict[str, str], dist: DistState | None = None) -> identity_mod.Identity:
@@ -117,8 +119,71 @@ def test_session_precedence_and_sanitizing() -> None:
 
 def test_wire_identity_uses_message_field_names() -> None:
     wire = resolve({}).wire()
-    assert wire["run_id"] == "local-77" and "session" not in wire and "source" not in wire
+    assert wire["session"] == "local-77" and "run_id" not in wire and "source" not in wire
     assert wire["hostname"] == "h" and wire["pid"] == 4242
+
+
+def test_wire_identity_is_the_declared_fields_and_passes_the_check_unchanged() -> None:
+    ident = resolve({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+                     "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_RESTART_COUNT": "2"})
+    wire = ident.wire()
+    # Every Identity field but the agent's own ``source`` is declared, so none is lost on the wire.
+    assert set(wire) == {f.name for f in dataclasses.fields(ident)} - {"source"}
+    assert set(wire) <= set(IDENTITY_NAMES)
+    cleaned = clean_identity(wire)
+    assert cleaned == wire and cleaned.refused == ()
+
+
+# GROUP_RANK (torchrun), NODE_RANK and SLURM_NODEID name the node; the arithmetic
+# global_rank // local_world_size is only the fallback. Uneven layouts (a node with
+# fewer GPUs, Slurm's "6,2" tasks per node) make the two disagree.
+
+
+def test_group_rank_wins_when_it_disagrees_with_the_rank_arithmetic() -> None:
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+           "TORCHELASTIC_RUN_ID": "uneven"}
+    ident = resolve(env)
+    assert 5 // 2 == 2 and ident.node_rank == 1  # not the arithmetic's node 2
+    assert (ident.global_rank, ident.local_rank, ident.local_world_size) == (5, 1, 2)
+    assert ident.wire()["node_rank"] == 1
+    assert agent_sender_id(ident, "ab") == "uneven/a0/n1/r5/4242-ab"
+
+
+def test_group_rank_wins_over_the_arithmetic_when_torch_distributed_gives_the_ranks() -> None:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    ident = resolve(env, DistState(rank=6, world_size=8))
+    assert 6 // 2 == 3 and ident.node_rank == 0 and ident.global_rank == 6
+
+
+def test_group_rank_zero_is_honoured_not_taken_for_absent() -> None:
+    env = {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    assert 3 // 2 == 1 and resolve(env).node_rank == 0
+
+
+def test_slurm_nodeid_wins_when_it_disagrees_with_the_rank_arithmetic() -> None:
+    # Node 0 runs 2 tasks and node 1 runs 6: task 6 is node 1's fifth (local id 4),
+    # where 6 // 2 (node 0's count) would put it on a node 3 that does not exist.
+    env = {"SLURM_PROCID": "6", "SLURM_LOCALID": "4", "SLURM_NODEID": "1", "SLURM_NTASKS": "8",
+           "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "2,6", "SLURM_JOB_ID": "77"}
+    ident = resolve(env)
+    assert 6 // 2 == 3 and ident.node_rank == 1 and ident.nnodes == 2
+    # This node's own count sizes it, so its local id is kept (not folded to 6 % 2).
+    assert (ident.local_rank, ident.local_world_size) == (4, 6)
+
+
+@pytest.mark.parametrize(
+    ("tasks", "node", "expected"),
+    [("4(x2),3", "0", 4), ("4(x2),3", "1", 4), ("4(x2),3", "2", 3), ("4(x2),3", "9", 4), ("2,6", "1", 6)],
+)
+def test_slurm_tasks_per_node_is_read_for_this_node(tasks: str, node: str, expected: int) -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_NODEID": node, "SLURM_NTASKS": "11", "SLURM_TASKS_PER_NODE": tasks}
+    assert resolve(env).local_world_size == expected
+
+
+@pytest.mark.parametrize(("node", "tasks"), [("1", "4(x99999999999)"), ("99999999999", "4(x2),3"), ("-1", "4(x2),3")])
+def test_slurm_tasks_per_node_odd_values_fall_back_without_expanding_the_list(node: str, tasks: str) -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_NODEID": node, "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": tasks}
+    assert resolve(env).local_world_size == 4
 
 
 def test_dist_state_reads_only_an_already_imported_torch(monkeypatch: pytest.MonkeyPatch) -> None:
