@@ -10,45 +10,43 @@ The writer pipelines: it stages transaction N+1 (decoding, in the event loop)
 while N is still being written on aiosqlite's thread. Staging therefore also
 consults ``pending``, the high-water marks of staged but uncommitted plans; a
 failed commit clears them all and the writer re-stages what came after.
+
+A sender's ranks row holds the identity its hello stated (an agent's own hello,
+or the ``peers`` map of the relay that forwarded it: traceml_wire/identity.py
+declares the fields), the node fields its relay's ``node`` map states where the
+hello did not, and NULL for the rest. The sender id is only a key: nothing is
+read out of it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceml_daemon.store.schema import RANK_COLUMNS as RANK_COLUMNS
 from traceml_wire.errors import ProtocolError
+from traceml_wire.identity import (
+    IDENTITY,
+    IDENTITY_FIELDS,
+    IDENTITY_NAMES,
+    NODE_FIELDS,
+    CleanIdentity,
+    clean_identity,
+)
 from traceml_wire.partials import Stats, decode_partials
 from traceml_wire.tables import TABLES, Column, columns, decode_batch
 
 log = logging.getLogger("traceml_daemon.ingest.decode")
 
-# Agent senders look like "{session}/a{attempt}/n{node}/r{rank}/{pid}-{rand}";
-# the session itself may contain slashes, so match from the right.
-_AGENT_SENDER = re.compile(r"^(?P<session>.+)/a(?P<attempt>\d+)/n(?P<node>-?\d+)/r(?P<rank>-?\d+)/[^/]+$")
 
-RANK_COLUMNS = (
-    "rank_id",
-    "sender",
-    "session",
-    "attempt",
-    "global_rank",
-    "local_rank",
-    "node_rank",
-    "world_size",
-    "local_world_size",
-    "nnodes",
-    "hostname",
-    "pid",
-    "run_id",
-    "parallelism",
-    "device",
-    "first_seen",
-    "last_seen",
-    "last_seq",
-)
+def _clean(identity: object) -> CleanIdentity:
+    """``identity`` as traceml_wire.identity admits it. Validation cleaned what came over
+    the wire already (handing back the same object); anything else, a caller's own map
+    included, is checked here, the last step before SQLite."""
+    if isinstance(identity, CleanIdentity):
+        return identity
+    return clean_identity(identity if isinstance(identity, dict) else {})
 
 
 @dataclass
@@ -87,6 +85,12 @@ class Plan:
     rows_stored: int = 0
     duplicates_discarded: int = 0
     bad_bodies: int = 0
+    # Senders given a ranks row with no identity at all (no hello identity reached us:
+    # an older or broken relay), and identity fields refused as out of range or of the
+    # wrong type (traceml_wire/identity.py). Each counted once per sender and identity
+    # stated, per daemon run: the ranks row is built then, not per batch.
+    senders_without_identity: int = 0
+    identity_fields_refused: int = 0
     high_water: dict[str, RankState] = field(default_factory=dict)
     # sender -> (session, identity, node, now) of its latest item; the ranks row is built
     # once per sender and transaction (in ``Ingestor.staged``), not once per batch.
@@ -104,22 +108,6 @@ class Plan:
         return [(rank_id, *row) for rank_id, cols in self.chunks.get(table, ()) for row in zip(*cols, strict=True)]
 
 
-@dataclass(frozen=True)
-class SenderId:
-    session: str
-    attempt: int
-    node_rank: int
-    global_rank: int
-
-
-def parse_agent_sender(sender: str) -> SenderId | None:
-    """What an agent sender id states about its rank, if it has the agent shape."""
-    match = _AGENT_SENDER.match(sender)
-    if match is None:
-        return None
-    return SenderId(match["session"], int(match["attempt"]), int(match["node"]), int(match["rank"]))
-
-
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: columns(name) for name in TABLES}
 _STEP = TABLE_COLUMNS["steps"].index("step")
 _DROP_SOURCE = TABLE_COLUMNS["drops"].index("source")
@@ -134,7 +122,7 @@ class _RankTemplate:
     session: str | None
     identity: dict[str, Any]
     node: dict[str, Any]
-    middle: tuple[Any, ...]  # RANK_COLUMNS[1:-3]
+    middle: tuple[Any, ...]  # RANK_COLUMNS[1:-3]: the sender, then IDENTITY_NAMES
     global_rank: int | None
     node_rank: int | None
     run_session: str
@@ -215,7 +203,7 @@ class Ingestor:
                 self._add_partials(plan, state.rank_id, sender, seq, tables.get("steps"), partials)
 
     def _template(
-        self, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
+        self, plan: Plan, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
     ) -> _RankTemplate:
         cached = self._templates.get(sender)
         # The identity dicts are usually the very objects cached (the session's identity
@@ -227,31 +215,36 @@ class Ingestor:
             and (cached.node is node or cached.node == node)
         ):
             return cached
-        parsed = parse_agent_sender(sender)
-        # The sender id is the agent's own statement of its session; the relay's
-        # hello session is the fallback for senders of another shape.
-        sess = parsed.session if parsed else (session or "unknown")
-        attempt = identity.get("attempt", parsed.attempt if parsed else 0)
-        values = dict(identity)
-        if parsed is not None:
-            values.setdefault("global_rank", parsed.global_rank)
-            values.setdefault("node_rank", parsed.node_rank)
-        # Otherwise node identity comes from the relay that forwarded it (GROUP_RANK
-        # on that host), never from the hostname alone.
-        for key in ("node_rank", "hostname"):
-            if values.get(key) is None and node.get(key) is not None:
-                values[key] = node[key]
-        values.update(sender=sender, session=sess, attempt=attempt)
+        own, relay_node = _clean(identity), _clean(node)
+        if not own:
+            plan.senders_without_identity += 1
+        if own.refused:
+            plan.identity_fields_refused += len(own.refused)
+            log.warning("identity of %s: dropped %s (wrong type or out of range)", sender, ", ".join(own.refused))
+        values: dict[str, Any] = dict(own)
+        # Node fields the rank did not state come from the relay that forwarded it
+        # (GROUP_RANK on that host), never from the hostname alone.
+        for name in NODE_FIELDS:
+            if values.get(name) is None and relay_node.get(name) is not None:
+                values[name] = relay_node[name]
+        # The run is the rank's own word, else that of the connection that brought it
+        # (the relay's hello: the relay serves one job), else the declared default.
+        if not values.get("session") and session:
+            values["session"] = session[: IDENTITY_FIELDS["session"].max_chars]  # hello's is unbounded
+        for spec in IDENTITY:
+            if spec.default is not None and values.get(spec.name) is None:
+                values[spec.name] = spec.default
+        world_size = values.get("world_size")
         template = _RankTemplate(
             session=session,
             identity=identity,
             node=node,
-            middle=tuple(values.get(col) for col in RANK_COLUMNS[1:-3]),
+            middle=(sender, *(values.get(name) for name in IDENTITY_NAMES)),
             global_rank=values.get("global_rank"),
             node_rank=values.get("node_rank"),
-            run_session=sess,
-            attempt=attempt if isinstance(attempt, int) else 0,
-            world_size=world_size if isinstance(world_size := values.get("world_size"), int) else None,
+            run_session=values["session"],
+            attempt=values["attempt"],
+            world_size=world_size,
         )
         self._templates[sender] = template
         return template
@@ -324,7 +317,7 @@ class Ingestor:
         committed = self._committed
         for sender, (session, identity, node, now) in plan.rank_sources.items():
             state = plan.high_water[sender]
-            t = self._template(sender, session, identity, node)
+            t = self._template(plan, sender, session, identity, node)
             state.global_rank, state.node_rank = t.global_rank, t.node_rank
             state.session, state.attempt, state.world_size = t.run_session, t.attempt, t.world_size
             if committed.get(sender) is t:

@@ -21,7 +21,7 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RankStatus, RunData
 from traceml_daemon.ingest.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
-from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is, ranks_in
+from traceml_daemon.store.schema import RANK_COLUMNS, SCHEMA_VERSION, rank_is, ranks_in
 
 
 class StoreError(RuntimeError):
@@ -36,7 +36,8 @@ class RunRef:
 
 @dataclass
 class RankRow:
-    """One row of ``ranks``: a rank process as the daemon saw it."""
+    """One row of ``ranks``: a rank process as the daemon saw it. Fields in
+    ``schema.RANK_COLUMNS`` order (identity fields: traceml_wire/identity.py)."""
 
     rank_id: int
     sender: str
@@ -49,6 +50,7 @@ class RankRow:
     local_world_size: int | None
     nnodes: int | None
     hostname: str | None
+    pid: int | None
     parallelism: str | None
     device: str | None
     first_seen: float | None
@@ -56,10 +58,7 @@ class RankRow:
     last_seq: int
 
 
-_RANK_SELECT = (
-    "SELECT rank_id, sender, session, attempt, global_rank, local_rank, node_rank, world_size, "
-    "local_world_size, nnodes, hostname, parallelism, device, first_seen, last_seen, last_seq FROM ranks"
-)
+_RANK_SELECT = f"SELECT {', '.join(RANK_COLUMNS)} FROM ranks"
 
 
 def open_readonly(path: str) -> sqlite3.Connection:

@@ -8,10 +8,11 @@ the integer key of the sending rank in ``ranks``. Column types follow
 
 from __future__ import annotations
 
+from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -273,8 +274,56 @@ def _v5() -> list[str]:
     return [f"ALTER TABLE reservoir_state ADD COLUMN size INTEGER NOT NULL DEFAULT {RESERVOIR_SIZE}"]
 
 
+# ------------------------------------------- v6: ranks' identity columns from the declaration
+# ``ranks`` holds, per agent sender, its identity: one column per field of
+# traceml_wire.identity.IDENTITY, under the field's name, between the sender and the
+# daemon's own bookkeeping. v1 wrote them out by hand, with the agent's run id twice
+# ("session" from parsing the sender id, "run_id" from the hello); the daemon now
+# reads identity from the hello alone, under one name, so v6 rebuilds the table from
+# the declaration and run_id goes. Rank ids are kept: every other table points at them.
+
+RANK_COLUMNS: tuple[str, ...] = ("rank_id", "sender", *IDENTITY_NAMES, "first_seen", "last_seen", "last_seq")
+
+# How many of IDENTITY's fields v6 creates. Fields are only appended; each one after
+# these gets a step of its own, ``ALTER TABLE ranks ADD COLUMN {identity_column_ddl(spec)}``,
+# so that fresh and migrated databases end with the same columns
+# (tests/traceml_daemon/ingest/test_identity_columns.py checks they are RANK_COLUMNS).
+_V6_IDENTITY_FIELDS = 12
+
+
+def _sql_literal(value: int | str) -> str:
+    return str(value) if isinstance(value, int) else "'" + value.replace("'", "''") + "'"
+
+
+def identity_column_ddl(spec: IdentityField) -> str:
+    """A ranks column for one declared field: NULL where no channel stated it, unless
+    the field has a default (the keys readers select runs by are never NULL)."""
+    ddl = f"{spec.name} {_SQL_TYPES[spec.kind]}"
+    return ddl if spec.default is None else f"{ddl} NOT NULL DEFAULT {_sql_literal(spec.default)}"
+
+
+def _ranks_ddl(table: str, identity: tuple[IdentityField, ...]) -> str:
+    cols = ", ".join(identity_column_ddl(spec) for spec in identity)
+    return (
+        f"CREATE TABLE {table} (rank_id INTEGER PRIMARY KEY, sender TEXT NOT NULL UNIQUE, {cols}, "
+        "first_seen REAL, last_seen REAL, last_seq INTEGER NOT NULL DEFAULT 0)"  # last_seq: dedup mark
+    )
+
+
+def _v6() -> list[str]:
+    identity = IDENTITY[:_V6_IDENTITY_FIELDS]
+    cols = ", ".join(("rank_id", "sender", *(spec.name for spec in identity), "first_seen", "last_seen", "last_seq"))
+    return [
+        _ranks_ddl("ranks_v6", identity),
+        f"INSERT INTO ranks_v6 ({cols}) SELECT {cols} FROM ranks",
+        "DROP TABLE ranks",  # drops ranks_by_node with it
+        "ALTER TABLE ranks_v6 RENAME TO ranks",
+        "CREATE INDEX ranks_by_node ON ranks (session, attempt, node_rank, global_rank)",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

@@ -20,7 +20,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS, SCHEMA_VERSION
+from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS, RANK_COLUMNS, SCHEMA_VERSION
 from traceml_wire.tables import columns
 
 T0 = 1_700_000_000.0  # fixed epoch so snapshots never depend on the clock
@@ -129,33 +129,17 @@ def build(path: str, spec: SynthSpec = SynthSpec(), version: int = SCHEMA_VERSIO
     ranks = []
     for g in range(world):
         node, local = divmod(g, spec.ranks_per_node)
-        ranks.append(
-            (
-                g + 1,
-                _sender(spec, g),
-                spec.session,
-                0,
-                g,
-                local,
-                node,
-                world,
-                spec.ranks_per_node,
-                spec.nnodes,
-                f"host{node}",
-                1000 + g,
-                "rdzv",
-                spec.parallelism,
-                "cpu",
-                T0,
-                end,
-                1,
-            )
-        )
+        row = {
+            "rank_id": g + 1, "sender": _sender(spec, g), "session": spec.session, "attempt": 0,
+            "global_rank": g, "local_rank": local, "node_rank": node, "world_size": world,
+            "local_world_size": spec.ranks_per_node, "nnodes": spec.nnodes, "hostname": f"host{node}",
+            "pid": 1000 + g, "parallelism": spec.parallelism, "device": "cpu",
+            "first_seen": T0, "last_seen": end, "last_seq": 1,
+        }  # fmt: skip
+        ranks.append(tuple(row[col] for col in RANK_COLUMNS))  # a KeyError names a newly declared field
+    # Every declared identity column exists in v1 too (v6 only dropped run_id).
     con.executemany(
-        "INSERT INTO ranks (rank_id, sender, session, attempt, global_rank, local_rank, node_rank, world_size, "
-        "local_world_size, nnodes, hostname, pid, run_id, parallelism, device, first_seen, last_seen, last_seq) "
-        "VALUES (" + ", ".join("?" * 18) + ")",
-        ranks,
+        f"INSERT INTO ranks ({', '.join(RANK_COLUMNS)}) VALUES ({', '.join('?' * len(RANK_COLUMNS))})", ranks
     )
     # Insert step by step across ranks, the way a live daemon interleaves them.
     rows = [step_row(g + 1, g, s, spec.straggler) for s in range(spec.steps) for g in range(world)]

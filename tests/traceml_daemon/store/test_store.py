@@ -19,7 +19,9 @@ from traceml_daemon.store.schema import SCHEMA_VERSION
 from traceml_wire.body import encode_body
 
 A0, A1 = agent_sender("s1", 0), agent_sender("s1", 1, node=1)
-PEERS = {A0: {"global_rank": 0, "local_rank": 0, "world_size": 2}, A1: {"global_rank": 1, "local_rank": 0}}
+# A1 states its node (1) in its hello; A0 leaves it to its relay's node map.
+PEERS = {A0: {"global_rank": 0, "local_rank": 0, "world_size": 2},
+         A1: {"global_rank": 1, "local_rank": 0, "node_rank": 1}}
 
 
 def item(seq: int, items: list[list[object]], stats: dict[str, int] | None = None, node: int = 0) -> WorkItem:
