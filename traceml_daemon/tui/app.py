@@ -29,14 +29,15 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
-from traceml_daemon.tui.data import Analysis, Analyzer, DatabaseMissing, TuiData, with_analysis
+from traceml_daemon.tui.analyzer import Analyzer
+from traceml_daemon.tui.data import TuiData
+from traceml_daemon.tui.model import Analysis, DatabaseMissing, Snapshot, with_analysis
 from traceml_daemon.tui.screens import (
     HelpScreen,
     JumpScreen,
     NodeScreen,
     OverviewScreen,
     RankScreen,
-    Snapshot,
     VerdictsScreen,
 )
 
@@ -172,7 +173,8 @@ class TraceApp(App[None]):
             else:
                 self._pending = True  # the screen changed while reading: read for the new one
         if error != self.last_error and error is not None:
-            self.notify(error, title="read failed", severity="error")
+            # markup=False: the message may quote a name a peer sent.
+            self.notify(error, title="read failed", severity="error", markup=False)
         self.last_error = error
         self.last_apply_s = time.perf_counter() - t0
         self.call_after_refresh(self._painted, self._read_started)
@@ -270,7 +272,7 @@ class TraceApp(App[None]):
             return
         found = parse_jump(query, self.last_snapshot)
         if found is None:
-            self.notify(f"no rank or node {query.strip()!r} in this run", severity="warning")
+            self.notify(f"no rank or node {query.strip()!r} in this run", severity="warning", markup=False)
         elif found[0] == "rank":
             self.open_rank(found[1])
         else:

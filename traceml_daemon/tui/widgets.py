@@ -2,6 +2,10 @@
 
 Sparklines are drawn as text (not textual's Sparkline) because telemetry has
 holes: a ``None`` sample must stay visible as a gap, never become zero.
+
+Text that came from a peer (hostnames, sessions, layer and scalar names) is
+shown through ``plain``/``clean``: never parsed as markup, control characters
+written out, so a name like ``[/]`` or an escape sequence prints as it is.
 """
 
 from __future__ import annotations
@@ -23,6 +27,24 @@ PHASE_COLORS = {
     "optimizer": "#ef5350",
     "wait": "#78909c",
 }
+
+
+# C0 controls, DEL and C1 written as \xNN: a name must neither drive the terminal nor hide.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def clean(text: str) -> str:
+    """``text`` with its control characters written out (ESC as ``\\x1b``)."""
+    return text.translate(_CONTROLS)
+
+
+def plain(value: object, style: str = "") -> Text:
+    """``value`` as literal text: no markup, no emoji codes, control characters written out.
+
+    Shaped like the Text a DataTable makes of a plain string cell (one line, no end),
+    so a table looks the same whichever it is given.
+    """
+    return Text(clean(str(value)), style=style, no_wrap=True, end="")
 
 
 def fmt_ms(v: float | None) -> str:
@@ -258,7 +280,7 @@ class SparkList(Widget):
         for i, (label, values, suffix, color) in enumerate(self.lines):
             if i:
                 out.append("\n")
-            out.append(label[: self.label_width].ljust(self.label_width), style="bold")
+            out.append(clean(label)[: self.label_width].ljust(self.label_width), style="bold")
             room = max(1, width - self.label_width - len(suffix) - 2)
             out.append_text(sparkline(values, room, style=color))
             out.append(f" {suffix}")

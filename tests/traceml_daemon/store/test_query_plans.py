@@ -4,9 +4,10 @@ Since schema v4 the per-rank indexes are keyed by rank group (store/schema.py:
 ``RANK_GROUP``), and SQLite uses them only when a query says both the group and
 the rank (``schema.rank_is``). A read written ``WHERE rank_id=?`` still returns
 the right rows, by scanning the whole table: nothing else would catch it. So this
-runs the real readers (summary, TUI, export, compare, live metrics) on a run of two
-groups' worth of ranks, records every statement they execute, and asks SQLite for
-the plan of each one that touches a grouped table.
+runs the real readers (summary, TUI refresh and analyzer, export, compare, live
+metrics), which all read through the read layer (``store.read``, ``store.reader``),
+on a run of two groups' worth of ranks, records every statement they execute, and
+asks SQLite for the plan of each one that touches a grouped table.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from traceml_daemon.commands import cli
 from traceml_daemon.metrics.collect import read_db_state
 from traceml_daemon.store.schema import GROUPED_INDEXES, RANK_GROUP, SCHEMA_VERSION, rank_is, ranks_in
 from traceml_daemon.tui import synth
+from traceml_daemon.tui.analyzer import Analyzer
 from traceml_daemon.tui.data import TuiData
 
 # A plan line that reads a grouped table whole: the table, or all of an index. A per-rank
@@ -108,8 +110,16 @@ def test_every_reader_searches_the_grouped_indexes(tmp_path: Path, recorded: lis
             assert detail is not None and detail.phase_series
     finally:
         data.close()
+    analyzer = Analyzer(a)
+    try:
+        assert analyzer.run().nodes
+    finally:
+        analyzer.close()
     grouped = [sql for sql in recorded if re.search(rf"\b({'|'.join(GROUPED_INDEXES)})\b", sql)]
     assert len(grouped) > 20  # the readers ran and were recorded
+    # Every telemetry table was read, so every reader's statements were planned.
+    read = {t for t in GROUPED_INDEXES if any(re.search(rf"\bFROM {t}\b", sql) for sql in recorded)}
+    assert read == set(GROUPED_INDEXES)
     assert _plans(a, recorded) == []
 
 

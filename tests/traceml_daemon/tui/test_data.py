@@ -8,23 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from traceml_daemon.analysis.rolling import RankWindow
+from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import SCHEMA_VERSION, rank_is
-from traceml_daemon.tui.data import (
-    WINDOW,
-    Analysis,
-    Analyzer,
-    DatabaseMissing,
-    RankRow,
-    TuiData,
-    _Buckets,
-    _RankState,
-    downsample,
-    load_window_run,
-    median,
-    nodes_from,
-    with_analysis,
-)
+from traceml_daemon.store.read.series import step_buckets
+from traceml_daemon.store.read.steps import STEP_COLS
+from traceml_daemon.store.reader import load_window_run
+from traceml_daemon.store.schema import SCHEMA_VERSION
+from traceml_daemon.tui.analyzer import Analyzer
+from traceml_daemon.tui.data import WINDOW, TuiData
+from traceml_daemon.tui.model import Analysis, DatabaseMissing, RankRow, downsample, median, nodes_from, with_analysis
+from traceml_daemon.tui.ranks import LiveRank
 from traceml_daemon.tui.synth import SynthSpec, build, step_row
 from traceml_daemon.tui.widgets import resample
 
@@ -50,7 +44,7 @@ def test_downsample_none_stays_none() -> None:
 def test_sql_buckets_bounded_incremental(tmp_path: Path) -> None:
     db = build(str(tmp_path / "b.db"), SynthSpec(nnodes=1, ranks_per_node=1, steps=1000, with_detail=False))
     ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    b = _Buckets("steps", ("step_ns",), rank_is("?1"), (1,), 64)
+    b = step_buckets(1, ("step_ns",), 64)
     b.update(ro)
     s = b.series(0)
     assert 0 < len(s.steps) <= 64 and s.steps[-1] == 999
@@ -149,7 +143,7 @@ def test_node_worst_rank_is_the_busiest_as_in_node_views(tmp_path: Path, straggl
     nodes = {n.node_rank: n for n in ov.nodes}
     assert nodes[node].worst_rank == straggler
     ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    expected = {v["node_rank"]: v for v in node_views(load_window_run(ro))}
+    expected = {v["node_rank"]: v for v in node_views(load_window_run(ro, WINDOW))}
     assert nodes[node].worst_busy_ms == expected[node]["worst_rank"]["busy_ms_median"]
     assert nodes[node].worst_busy_ms is not None and nodes[other].worst_busy_ms is not None
     assert nodes[node].worst_busy_ms > nodes[other].worst_busy_ms  # fwd +4 ms, wait -4 ms
@@ -208,15 +202,24 @@ def test_first_load_is_set_based(tmp_path: Path) -> None:
     assert statements(4) == statements(64)
 
 
+def _live_rank(window: int = WINDOW) -> LiveRank:
+    return LiveRank(1, 0, 0, 0, None, None, RankWindow(1, 0, 0, window=window))
+
+
 def _medians(rows: list[tuple[object, ...]]) -> tuple[float | None, dict[str, float | None]]:
-    st = _RankState(1, 0, 0, 0, None, None, None)
-    for row in rows:
-        st.put(row)
-    return st.medians()
+    st = _live_rank()
+    st.add(rows)
+    row = st.row()
+    return row.step_ms, row.phase_ms
+
+
+def _stored(rank_id: int, step: int) -> tuple[object, ...]:
+    """A step row as the read layer returns it (``STEP_COLS``)."""
+    return step_row(rank_id, 0, step, None)[1 : 1 + len(STEP_COLS)]
 
 
 def test_medians_ignore_absent_values() -> None:
-    rows = [step_row(1, 0, s, None)[1:] for s in range(3)]
+    rows = [_stored(1, s) for s in range(3)]
     rows = [r[:3] + (None,) + r[4:] for r in rows]  # dataloader never measured
     rows[0] = rows[0][:2] + (None,) + rows[0][3:]  # one step time missing
     step_ms, phases = _medians(rows)
@@ -226,23 +229,34 @@ def test_medians_ignore_absent_values() -> None:
     assert _medians(one)[1]["dataloader"] is None
 
 
-def test_sliding_window_medians_match_a_fresh_median() -> None:
-    # The sorted columns are kept up to date row by row; they must agree with a
-    # median computed from scratch over whatever the window holds, holes included.
+def test_sliding_window_medians_match_a_fresh_median_and_the_daemons() -> None:
+    # The TUI keeps the daemon's own window (analysis.rolling.RankWindow): a median over
+    # each series' newest 32 measured values, a step written again counting as a row,
+    # as in /metrics. It must agree with a median computed from scratch over those
+    # values, holes included, and with the daemon's Aggregates fed the same rows.
     rng = random.Random(7)
-    st = _RankState(1, 0, 0, 0, None, None, None)
-    for step in range(300):
-        row = step_row(1, 0, step, None)[1:]
-        values = [None if rng.random() < 0.1 else rng.randrange(1, 50) * 1_000_000 for _ in range(7)]
-        st.put(row[:2] + tuple(values) + row[9:])
-        if rng.random() < 0.2:  # a step written again replaces its row
-            st.put(row[:2] + tuple(v if v is None else v + 1 for v in values) + row[9:])
-        st.trim(32)
-        assert len(st.window) <= 32
-        step_ms, phases = st.medians()
-        expect = [median(r[i] for r in st.window.values()) for i in range(2, 9)]
-        got = [step_ms, *phases.values()]
+    st = _live_rank(32)
+    daemon = Aggregates(window=32)
+    pushed: list[tuple[object, ...]] = []
+    step = 0
+    while step < 300:
+        batch = []
+        for _ in range(rng.choice((1, 1, 1, 3, 40))):  # the tail brings one row or many
+            row = _stored(1, step)
+            values = [None if rng.random() < 0.1 else rng.randrange(1, 50) * 1_000_000 for _ in range(7)]
+            batch.append(row[:2] + tuple(values) + row[9:])
+            if rng.random() < 0.2:  # a step written again
+                batch.append(row[:2] + tuple(v if v is None else v + 1 for v in values) + row[9:])
+            step += 1
+        st.add(batch)
+        daemon.add_steps(1, {name: [r[i] for r in batch] for i, name in enumerate(STEP_COLS)})
+        pushed += batch
+        got = [st.row().step_ms, *st.row().phase_ms.values()]
+        expect = [median([v for r in pushed if (v := r[i]) is not None][-32:]) for i in range(2, 9)]
         assert got == [None if e is None else pytest.approx(e / 1e6) for e in expect]
+        (snap,) = daemon.snapshot()
+        assert got == [snap.step_ms_median, *snap.phases_ms_median.values()]
+    assert (st.first_step, st.last_step) == (0, step - 1)
 
 
 def test_changed_is_true_only_after_a_commit(tui_db: str) -> None:
@@ -317,7 +331,7 @@ def test_synth_relay_counters_are_the_relays_own() -> None:
 def test_analyzer_judges_the_newest_host_samples(tmp_path: Path) -> None:
     db = build(str(tmp_path / "hot.db"), SynthSpec(saturated_node=1))
     ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    systems = {s.node_rank: s for s in load_window_run(ro).systems}
+    systems = {s.node_rank: s for s in load_window_run(ro, WINDOW).systems}
     assert set(systems) == {0, 1} and systems[1].mem_total_bytes == 256 * 2**30
     assert len(systems[1].cpu_pct) == WINDOW < 60  # the newest window of the 60 samples written
     assert len(systems[1].gpu_util_pct) == 2
