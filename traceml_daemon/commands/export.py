@@ -1,9 +1,16 @@
 """``traceml-daemon export``: a stored run as a Chrome trace (Perfetto) or CSV.
 
 The database is opened read-only (``file:PATH?mode=ro``), so exporting a live
-run never blocks the daemon's writer. Chrome traces are written one rank at a
-time: only one rank's events are held in memory, so a long run exports in
-bounded memory (use ``--steps`` to keep the file small enough for a viewer).
+run never blocks the daemon's writer; every read is the read layer's
+(``store.read``). Chrome traces are written one rank at a time: only one rank's
+events are held in memory, so a long run exports in bounded memory (use
+``--steps`` to keep the file small enough for a viewer).
+
+A Chrome trace is strict JSON whatever the database holds: a stored infinity
+(or a NaN in a span's args) is written as null, and a step, phase or span with
+a negative duration is left out of the ``X`` events and flagged (a step or span
+becomes an instant event, a phase is listed in its step's args; the stored
+values stay in args). Both are counted in the trace's ``metadata`` and on stderr.
 """
 
 from __future__ import annotations
@@ -12,16 +19,21 @@ import argparse
 import csv
 import gzip
 import json
+import math
 import sqlite3
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from traceml_daemon import __version__
-from traceml_daemon.store.schema import rank_is, ranks_in
+from traceml_daemon.store.read import spans as stored_spans
+from traceml_daemon.store.read import steps as stored_steps
+from traceml_daemon.store.read.connect import connect_file, table_names
+from traceml_daemon.store.read.runs import session_names
+from traceml_daemon.store.reader import all_ranks
 from traceml_wire.tables import PHASES
 
 FORMATS = ("chrome", "csv")
@@ -63,19 +75,27 @@ class StepRange:
     first: int | None
     last: int | None  # inclusive
 
-    def sql(self) -> tuple[str, tuple[int, ...]]:
-        clauses, params = [], []
-        if self.first is not None:
-            clauses.append("step >= ?")
-            params.append(self.first)
-        if self.last is not None:
-            clauses.append("step <= ?")
-            params.append(self.last)
-        return "".join(f" AND {c}" for c in clauses), tuple(params)
-
     @property
     def bounded(self) -> bool:
         return self.first is not None or self.last is not None
+
+
+@dataclass
+class TraceCounts:
+    """What a Chrome export wrote, and what it could not draw as stored."""
+
+    events: int = 0
+    non_finite: int = 0  # stored infinities (and NaNs in span args), written as null
+    negative_durations: int = 0  # steps, phases and spans left out of the X events
+
+    def note(self) -> str:
+        """The stderr line's addendum, empty when nothing was out of the ordinary."""
+        parts = []
+        if self.non_finite:
+            parts.append(f"{self.non_finite} non-finite values written as null")
+        if self.negative_durations:
+            parts.append(f"{self.negative_durations} negative durations left out")
+        return f" ({', '.join(parts)})" if parts else ""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,14 +116,17 @@ def main(args: argparse.Namespace) -> int:
         with open_db(Path(args.db)) as con:
             ranks = load_ranks(con, args.session)
             out = Path(args.out)
+            note = ""
             if fmt == "chrome":
-                n = write_chrome(con, ranks, steps, out, db_path=Path(args.db))
+                counts = write_chrome(con, ranks, steps, out, db_path=Path(args.db))
+                n, note = counts.events, counts.note()
             else:
                 n = write_csv(con, ranks, steps, out)
     except ExportError as exc:
         print(f"traceml-daemon export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {n} {'events' if fmt == 'chrome' else 'rows'} from {len(ranks)} ranks to {out}", file=sys.stderr)
+    kind = "events" if fmt == "chrome" else "rows"
+    print(f"wrote {n} {kind} from {len(ranks)} ranks to {out}{note}", file=sys.stderr)
     return 0
 
 
@@ -127,15 +150,13 @@ def parse_steps(text: str | None) -> StepRange:
 def open_db(path: Path) -> Iterator[sqlite3.Connection]:
     if not path.is_file():
         raise ExportError(f"no database at {path}")
-    # as_uri() percent-encodes the path, so names with '?' or '#' stay intact.
-    uri = path.resolve().as_uri() + "?mode=ro"
     try:
-        con = sqlite3.connect(uri, uri=True)
+        con = connect_file(path)
     except sqlite3.Error as exc:
         raise ExportError(f"cannot open {path}: {exc}") from None
     try:
         try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            tables = table_names(con)
         except sqlite3.DatabaseError as exc:
             raise ExportError(f"{path} is not a traceml database ({exc})") from None
         missing = {"ranks", "steps", "spans"} - tables
@@ -147,14 +168,12 @@ def open_db(path: Path) -> Iterator[sqlite3.Connection]:
 
 
 def load_ranks(con: sqlite3.Connection, session: str | None) -> list[Rank]:
-    sql = "SELECT rank_id, session, attempt, global_rank, local_rank, node_rank, hostname FROM ranks"
-    params: tuple[str, ...] = ()
-    if session is not None:
-        sql += " WHERE session = ?"
-        params = (session,)
-    ranks = [Rank(int(r[0]), str(r[1]), int(r[2] or 0), r[3], r[4], r[5], r[6]) for r in con.execute(sql, params)]
+    ranks = [
+        Rank(r.rank_id, str(r.session), int(r.attempt or 0), r.global_rank, r.local_rank, r.node_rank, r.hostname)
+        for r in all_ranks(con, session)
+    ]
     if session is not None and not ranks:
-        known = [r[0] for r in con.execute("SELECT DISTINCT session FROM ranks ORDER BY session")]
+        known = session_names(con)
         raise ExportError(f"no session {session!r} in the database (sessions: {', '.join(known) or 'none'})")
     return sorted(ranks, key=Rank.sort_key)
 
@@ -179,19 +198,21 @@ def _ms(ns: int | None) -> float | None:
 # ---------------------------------------------------------------- CSV
 
 
+# Where each value sits in a row of ``store.read.steps.STEP_COLS``.
+_AT = {name: i for i, name in enumerate(stored_steps.STEP_COLS)}
+_PHASES_AT = [_AT[f"{p}_ns"] for p in PHASES]
+
+
 def write_csv(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, out: Path) -> int:
-    where, params = steps.sql()
-    cols = ", ".join(["step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES), "peak_bytes", "rss_bytes"])
     n = 0
     with open_out(out) as fh:
         writer = csv.writer(fh)
         writer.writerow(CSV_COLUMNS)
         for rank in ranks:
-            cur = con.execute(f"SELECT {cols} FROM steps WHERE {rank_is('?1')}{where} ORDER BY step, ts",
-                              (rank.rank_id, *params))
-            for row in cur:
-                step, ts, step_ns, *rest = row
-                phases, (peak, rss) = rest[: len(PHASES)], rest[len(PHASES):]
+            for row in stored_steps.steps_in_range(con, rank.rank_id, steps.first, steps.last):
+                step, ts, step_ns = row[0], row[1], row[2]
+                phases = [row[i] for i in _PHASES_AT]
+                peak, rss = row[_AT["peak_bytes"]], row[_AT["rss_bytes"]]
                 writer.writerow([rank.session, rank.attempt, rank.node_rank, rank.global_rank, rank.local_rank,
                                  step, ts, _ms(step_ns), *(_ms(p) for p in phases), peak, rss])
                 n += 1
@@ -216,34 +237,60 @@ def _base_ts(con: sqlite3.Connection, ranks: list[Rank]) -> float:
     """Earliest time in the export, whole seconds: trace timestamps are relative
     to it so they stay small and keep sub-microsecond precision in a double."""
     ids = [r.rank_id for r in ranks]
-    if not ids:
-        return 0.0
-    these = ranks_in(len(ids))
-    row = con.execute(
-        f"SELECT MIN(ts - COALESCE(step_ns, 0) / 1e9 - COALESCE(dataloader_ns, 0) / 1e9) FROM steps WHERE {these}",
-        ids).fetchone()
-    span = con.execute(f"SELECT MIN(start_ns) FROM spans WHERE {these}", ids).fetchone()
-    candidates = [v for v in (row[0], None if span[0] is None else span[0] / 1e9) if v is not None]
-    return float(int(min(candidates))) if candidates else 0.0
+    span_ns = stored_spans.earliest_span_start_ns(con, ids)
+    candidates = [stored_steps.earliest_step_start(con, ids), None if span_ns is None else span_ns / 1e9]
+    finite = [v for v in candidates if v is not None and math.isfinite(v)]
+    return float(int(min(finite))) if finite else 0.0
 
 
-def step_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: float) -> list[dict[str, Any]]:
-    """Step, phase and memory counter events of one rank."""
+def _finite_row(row: Sequence[Any], counts: TraceCounts) -> list[Any]:
+    """``row`` with each non-finite number (a stored infinity) as None, counted: not a measurement."""
+    out = list(row)
+    for i, v in enumerate(out):
+        if isinstance(v, float) and not math.isfinite(v):
+            out[i] = None
+            counts.non_finite += 1
+    return out
+
+
+def _strict(value: Any, counts: TraceCounts) -> Any:
+    """``value`` (an event or part of one) with non-finite floats as None, counted."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        counts.non_finite += 1
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v, counts) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v, counts) for v in value]
+    return value
+
+
+def step_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: float,
+                counts: TraceCounts | None = None) -> list[dict[str, Any]]:
+    """Step, phase and memory counter events of one rank (``counts``: what was not drawn as stored)."""
+    counts = counts if counts is not None else TraceCounts()
     pid = rank.rank_id
-    where, params = steps.sql()
-    cols = ", ".join(["step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES), "comm_ns", "peak_bytes", "rss_bytes"])
     events: list[dict[str, Any]] = []
     prev_end: float | None = None
-    for row in con.execute(f"SELECT {cols} FROM steps WHERE {rank_is('?1')}{where} ORDER BY ts, step",
-                           (rank.rank_id, *params)):
-        step, ts, step_ns, *rest = row
-        phases = dict(zip(PHASES, rest[: len(PHASES)], strict=True))
-        comm_ns, peak, rss = rest[len(PHASES):]
+    for stored in stored_steps.steps_in_range(con, rank.rank_id, steps.first, steps.last, by_time=True):
+        row = _finite_row(stored, counts)
+        step, ts, step_ns = row[0], row[1], row[2]
+        phases = {p: row[i] for p, i in zip(PHASES, _PHASES_AT, strict=True)}
+        comm_ns, peak, rss = row[_AT["comm_ns"]], row[_AT["peak_bytes"]], row[_AT["rss_bytes"]]
         if ts is None:
             continue
         end = (ts - base) * 1e6
-        phase_us = [(p, ns / 1e3) for p, ns in phases.items() if ns is not None]
-        total_us = max(step_ns / 1e3 if step_ns is not None else 0.0, sum(d for _, d in phase_us))
+        # A negative duration is never drawn: that slice is left out of the X events and
+        # flagged in the step's args, where its stored value stays.
+        drawn = [(p, ns / 1e3) for p, ns in phases.items() if ns is not None and ns >= 0]
+        negative = [p for p, ns in phases.items() if ns is not None and ns < 0]
+        draw_step = step_ns is None or step_ns >= 0
+        if not draw_step:
+            negative.insert(0, "step")
+        counts.negative_durations += len(negative)
+        total_us = max(step_ns / 1e3 if step_ns is not None and draw_step else 0.0, sum(d for _, d in drawn))
         start = end - total_us
         # Clock jitter (wall clock at the end, monotonic durations) can make a
         # step start a hair before the previous one ended; clamp so slices on
@@ -255,11 +302,17 @@ def step_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
         args.update({f"{p}_ms": _ms(ns) for p, ns in phases.items() if ns is not None})
         if comm_ns is not None:
             args["comm_ms"] = _ms(comm_ns)
-        events.append({"name": f"step {step}", "cat": "step", "ph": "X", "pid": pid, "tid": TID_STEPS,
-                       "ts": start, "dur": end - start, "args": args})
+        if negative:
+            args["negative_durations"] = negative
+        event: dict[str, Any] = {"name": f"step {step}", "cat": "step", "pid": pid, "tid": TID_STEPS, "args": args}
+        if draw_step:
+            event.update(ph="X", ts=start, dur=end - start)
+        else:  # an instant at the step's end: its args stay in the trace
+            event.update(ph="i", s="t", ts=end)
+        events.append(event)
         # Phases back to back, ending at the step's end, in execution order.
-        t = end - sum(d for _, d in phase_us)
-        for phase, dur in phase_us:
+        t = end - sum(d for _, d in drawn)
+        for phase, dur in drawn:
             p_start, p_end = max(t, start), max(t + dur, start)
             t += dur
             events.append({"name": phase, "cat": "phase", "ph": "X", "pid": pid, "tid": TID_STEPS,
@@ -272,17 +325,17 @@ def step_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
 
 
 def span_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: float,
-                window: tuple[float, float] | None) -> list[dict[str, Any]]:
+                window: tuple[float, float] | None, counts: TraceCounts | None = None) -> list[dict[str, Any]]:
     """User spans (complete events) and instants of one rank.
 
     With a step range, spans tagged with a step are filtered by it; untagged
     ones are kept when they start inside the selected steps' time window.
     """
+    counts = counts if counts is not None else TraceCounts()
     pid = rank.rank_id
     events: list[dict[str, Any]] = []
-    for name, start_ns, dur_ns, step, raw_args in con.execute(
-            f"SELECT name, start_ns, dur_ns, step, args FROM spans WHERE {rank_is('?1')} ORDER BY start_ns",
-            (rank.rank_id,)):
+    for stored in stored_spans.rank_spans(con, rank.rank_id):
+        name, start_ns, dur_ns, step, raw_args = _finite_row(stored, counts)
         if start_ns is None:
             continue
         ts = start_ns / 1e3 - base * 1e6
@@ -297,7 +350,11 @@ def span_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
             args.setdefault("step", step)
         event: dict[str, Any] = {"name": name or "span", "cat": "span", "pid": pid, "tid": TID_SPANS,
                                  "ts": ts, "args": args}
-        if dur_ns is None:
+        if dur_ns is not None and dur_ns < 0:  # never drawn: an instant flagged with the stored duration
+            counts.negative_durations += 1
+            args["negative_duration_ms"] = dur_ns / 1e6
+            event.update(ph="i", s="t")
+        elif dur_ns is None:
             event.update(ph="i", s="t")
         else:
             event.update(ph="X", dur=dur_ns / 1e3)
@@ -320,7 +377,9 @@ def _lane_order(event: dict[str, Any]) -> tuple[Any, ...]:
     return (event["ts"], -event.get("dur", 0.0), event["tid"])
 
 
-def write_chrome(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, out: Path, db_path: Path) -> int:
+def write_chrome(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, out: Path,
+                 db_path: Path) -> TraceCounts:
+    counts = TraceCounts()
     base = _base_ts(con, ranks)
     many_runs = len({(r.session, r.attempt) for r in ranks}) > 1
     node_order = sorted({(r.node_rank is None, r.node_rank or 0) for r in ranks})
@@ -330,16 +389,19 @@ def write_chrome(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, o
         "steps": None if not steps.bounded else [steps.first, steps.last],
         "ts_unit": "microseconds since base_epoch_s",
     }
-    n = 0
     with open_out(out) as fh:
         fh.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         first = True
 
         def emit(event: dict[str, Any]) -> None:
-            nonlocal first, n
-            fh.write(("" if first else ",\n") + json.dumps(event, separators=(",", ":")))
+            nonlocal first
+            try:
+                text = json.dumps(event, separators=(",", ":"), allow_nan=False)
+            except ValueError:  # a non-finite float, e.g. a NaN in a span's args
+                text = json.dumps(_strict(event, counts), separators=(",", ":"), allow_nan=False)
+            fh.write(("" if first else ",\n") + text)
             first = False
-            n += 1
+            counts.events += 1
 
         for index, rank in enumerate(ranks):
             pid = rank.rank_id
@@ -353,15 +415,23 @@ def write_chrome(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, o
                   "args": {"labels": f"node {_q(rank.node_rank)} (#{node_index})"}})
             emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": TID_STEPS, "args": {"name": "steps"}})
             emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": TID_SPANS, "args": {"name": "spans"}})
-            lane = step_events(rank, steps, con, base)
+            lane = step_events(rank, steps, con, base, counts)
             window = None
             slices = [e for e in lane if e["ph"] == "X"]
             if slices:
                 window = (min(e["ts"] for e in slices), max(e["ts"] + e["dur"] for e in slices))
-            lane += span_events(rank, steps, con, base, window)
+            lane += span_events(rank, steps, con, base, window, counts)
             for event in sorted(lane, key=_lane_order):
                 emit(event)
+        metadata["non_finite_values"] = counts.non_finite
+        metadata["negative_durations"] = counts.negative_durations
+        metadata["data_notes"] = (
+            "non_finite_values: stored infinities or NaNs, written as null (a step or span that needed one as its "
+            "time is left out); negative_durations: steps, phases and spans with a negative duration, left out of "
+            "the X events and flagged: a step or span becomes an instant event, a phase is listed in its step's "
+            "args under negative_durations, the stored values staying in args"
+        )
         fh.write('\n], "metadata": ')
-        fh.write(json.dumps(metadata))
+        fh.write(json.dumps(_strict(metadata, counts), allow_nan=False))
         fh.write("}\n")
-    return n
+    return counts

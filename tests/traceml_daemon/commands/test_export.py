@@ -273,3 +273,49 @@ def test_real_run(real_run_db: Path, tmp_path: Path) -> None:
     assert run_export("--db", str(real_run_db), "--format", "csv", str(csv_out)) == 0
     with open(csv_out, newline="") as fh:
         assert len(list(csv.reader(fh))) - 1 >= 2 * REAL_RUN_STEPS
+
+
+def _no_constants(name: str) -> Any:
+    raise AssertionError(f"not strict JSON: {name}")
+
+
+def test_chrome_trace_is_strict_json_and_never_draws_a_negative_duration(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = make_db(tmp_path / "bad.db", ranks=RANKS[:1])
+    inf = float("inf")
+    con = sqlite3.connect(db)
+    con.execute("UPDATE steps SET step_ns=? WHERE step=2", (inf,))  # SQLite stores an infinity (a NaN: NULL)
+    con.execute("UPDATE steps SET rss_bytes=? WHERE step=1", (-inf,))
+    con.execute("UPDATE steps SET forward_ns=-1000000 WHERE step=3")
+    con.execute("UPDATE steps SET step_ns=-5000000 WHERE step=4")
+    con.execute("INSERT INTO spans VALUES (1, 'backwards', ?, -2000000, 1, ?)",
+                (int((BASE_TS + 0.012) * 1e9), '{"loss": NaN, "lr": Infinity}'))  # what json.dumps writes by default
+    con.execute("INSERT INTO spans VALUES (1, 'nowhere', ?, 1000, NULL, NULL)", (inf,))
+    con.commit()
+    assert con.execute("SELECT typeof(step_ns) FROM steps WHERE step=2").fetchone() == ("real",)
+    con.close()
+    out = tmp_path / "trace.json"
+    assert run_export("--db", str(db), "--format", "chrome", str(out)) == 0
+    trace = json.loads(out.read_text(), parse_constant=_no_constants)
+    meta = trace["metadata"]
+    # step_ns inf, rss -inf, the span args' NaN and Infinity, the span start inf.
+    assert meta["non_finite_values"] == 5
+    # step 3's forward, step 4's step, the span's duration.
+    assert meta["negative_durations"] == 3
+    err = capsys.readouterr().err
+    assert "(5 non-finite values written as null, 3 negative durations left out)" in err
+    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    steps = {e["name"]: e for e in events if e["cat"] == "step"}
+    assert steps["step 2"]["ph"] == "X" and steps["step 2"]["args"]["step_ms"] is None
+    assert steps["step 3"]["ph"] == "X" and steps["step 3"]["args"]["negative_durations"] == ["forward"]
+    assert steps["step 3"]["args"]["forward_ms"] == -1.0  # the stored value, not drawn
+    assert not [e for e in events if e["cat"] == "phase" and e["name"] == "forward" and e["args"]["step"] == 3]
+    assert steps["step 4"]["ph"] == "i" and steps["step 4"]["args"]["negative_durations"] == ["step"]
+    assert steps["step 4"]["args"]["step_ms"] == -5.0
+    spans = {e["name"]: e for e in events if e["cat"] == "span"}
+    assert spans["backwards"]["ph"] == "i" and spans["backwards"]["args"]["negative_duration_ms"] == -2.0
+    assert spans["backwards"]["args"]["loss"] is None and spans["backwards"]["args"]["lr"] is None
+    assert "nowhere" not in spans  # no time to place it at
+    # Step 1's only memory value was -inf: no counter drawn for it.
+    assert len([e for e in events if e["ph"] == "C"]) == N_STEPS - 1
