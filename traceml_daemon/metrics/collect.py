@@ -22,17 +22,17 @@ import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.ingest.live import Aggregates, RankSnapshot
 from traceml_daemon.metrics.exposition import GpuMetrics, MetricsSnapshot, NodeMetrics, RankMetrics, VerdictMetric
 from traceml_daemon.store import reader
-from traceml_daemon.store.schema import rank_is
+from traceml_daemon.store.read import samples
 
 log = logging.getLogger("traceml_daemon.metrics.exposition")
 
 VERDICT_WINDOW = 200  # steps per rank handed to the diagnosis, like the live TUI
+GPU_SCAN_ROWS = 64  # newest GPU rows searched for each GPU's latest sample
 _UNKNOWN = "unknown"
 
 
@@ -58,27 +58,6 @@ def _label(value: int | None) -> str:
     return _UNKNOWN if value is None else str(value)
 
 
-def _latest_system(conn: sqlite3.Connection, rank_id: int) -> tuple[Any, ...] | None:
-    # The system index: one seek, whatever the length of the run.
-    return conn.execute(
-        f"SELECT ts, cpu_pct, mem_used_bytes, mem_total_bytes FROM system WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT 1",
-        (rank_id,),
-    ).fetchone()
-
-
-def _latest_gpus(conn: sqlite3.Connection, rank_id: int) -> list[GpuMetrics]:
-    rows = conn.execute(
-        "SELECT gpu_index, util_pct, mem_used_bytes, mem_total_bytes, temp_c, power_w FROM gpu "
-        f"WHERE {rank_is('?1')} ORDER BY ts DESC LIMIT 64",
-        (rank_id,),
-    ).fetchall()
-    latest: dict[int, GpuMetrics] = {}
-    for idx, util, used, total, temp, power in rows:  # newest first: the first row per GPU wins
-        if idx is not None and idx not in latest:
-            latest[idx] = GpuMetrics(str(idx), util, used, total, temp, power)
-    return [latest[i] for i in sorted(latest)]
-
-
 def _nodes(conn: sqlite3.Connection, session: str, ranks: list[reader.RankRow]) -> list[NodeMetrics]:
     """Latest host/GPU sample per node; only local rank 0 samples the host."""
     best: dict[str, tuple[float, NodeMetrics]] = {}
@@ -86,8 +65,8 @@ def _nodes(conn: sqlite3.Connection, session: str, ranks: list[reader.RankRow]) 
         if rank.local_rank not in (0, None):
             continue
         node = _label(rank.node_rank)
-        system = _latest_system(conn, rank.rank_id)
-        gpus = _latest_gpus(conn, rank.rank_id)
+        system = samples.latest_host_sample(conn, rank.rank_id)
+        gpus = [GpuMetrics(str(g[0]), *g[1:]) for g in samples.latest_gpus(conn, rank.rank_id, GPU_SCAN_ROWS)]
         if system is None and not gpus:
             continue
         ts = (system[0] if system else None) or 0.0
@@ -132,12 +111,12 @@ def read_db_state(db_path: str, live_rank_ids: set[int]) -> _DbState:
     conn = reader.open_readonly(db_path)
     try:
         runs: dict[str, int] = {}  # session -> newest attempt among the live ranks
-        for row in conn.execute("SELECT rank_id, session, attempt, global_rank, node_rank FROM ranks"):
-            rank_id, session, attempt, global_rank, node_rank = row
-            if rank_id not in live_rank_ids:
+        for rank in reader.all_ranks(conn):
+            if rank.rank_id not in live_rank_ids:
                 continue
-            state.identity[rank_id] = _Identity(session, int(attempt or 0), _label(node_rank), _label(global_rank))
-            runs[session] = max(runs.get(session, 0), int(attempt or 0))
+            attempt = int(rank.attempt or 0)
+            state.identity[rank.rank_id] = _Identity(rank.session, attempt, _label(rank.node_rank), _label(rank.global_rank))
+            runs[rank.session] = max(runs.get(rank.session, 0), attempt)
         for session in sorted(runs):
             run = reader.RunRef(session, runs[session])
             ranks = reader.load_ranks(conn, run)
