@@ -13,26 +13,21 @@ from __future__ import annotations
 
 import math
 import random
-import select
-import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.errors import ErrorReporter
+from agent.link import IO_TIMEOUT_S, Cancelled, HelloInfo, Link, Refused, Unverified
 from traceml_wire import messages
-from traceml_wire.auth import hello_mac
 from traceml_wire.body import encode_body
 from traceml_wire.errors import ProtocolError
-from traceml_wire.framing import MAX_AGENT_BODY_BYTES, FrameDecoder, encode_frame, unpack_message
+from traceml_wire.framing import MAX_AGENT_BODY_BYTES, encode_frame
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
-CONNECT_TIMEOUT_S = 1.0  # loopback: a healthy relay answers in microseconds
-IO_TIMEOUT_S = 2.0
 # The wire module derives it from the daemon's frame cap: the relay accepts every
 # body up to it, and one alone in an rbatch still fits the daemon's cap.
 MAX_BODY_BYTES = MAX_AGENT_BODY_BYTES
@@ -40,21 +35,6 @@ MAX_BODY_BYTES = MAX_AGENT_BODY_BYTES
 OVERSIZE_ROWS = "sender_oversize_rows"
 
 Tables = dict[str, dict[str, list[Any]]]
-
-
-class Refused(Exception):
-    """The relay answered the hello with refuse."""
-
-
-class Cancelled(TimeoutError):
-    """A handshake given up because the sender is stopping (not a relay fault)."""
-
-
-@dataclass(frozen=True)
-class HelloInfo:
-    sender: str
-    session: str
-    identity: dict[str, Any]
 
 
 class ResendBuffer:
@@ -92,129 +72,6 @@ class ResendBuffer:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-class Link:
-    """One authenticated connection to the relay (blocking socket, timeouts)."""
-
-    def __init__(self, sock: socket.socket, decoder: FrameDecoder, cancel: Callable[[], bool]) -> None:
-        self.sock = sock
-        self._decoder = decoder
-        self._pending: deque[dict[str, Any]] = deque()
-        self._cancel = cancel
-        self.io_timeout = IO_TIMEOUT_S
-
-    @classmethod
-    def open(
-        cls,
-        host: str,
-        port: int,
-        *,
-        token: str | None,
-        hello: HelloInfo,
-        timeout: float,
-        cancel: Callable[[], bool] = lambda: False,
-    ) -> tuple[Link, int]:
-        """Connect and run the handshake; return the link and accept.last_seq.
-
-        ``cancel`` is polled while waiting, so shutdown is never stuck behind
-        a relay that accepted the TCP connection but does not answer.
-        """
-        sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
-        link = cls(sock, FrameDecoder(), cancel)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            deadline = time.monotonic() + timeout
-            challenge = link._read(deadline)
-            if challenge["t"] != messages.CHALLENGE:
-                raise ProtocolError(f"expected challenge, got {challenge['t']!r}")
-            mac = hello_mac(token, challenge["nonce"], messages.ROLE_AGENT, hello.sender)
-            link.send(
-                encode_frame(
-                    messages.hello(
-                        role=messages.ROLE_AGENT,
-                        sender=hello.sender,
-                        session=hello.session,
-                        identity=hello.identity,
-                        mac=mac,
-                    )
-                )
-            )
-            reply = link._read(deadline)
-            if reply["t"] == messages.REFUSE:
-                raise Refused(reply["reason"])
-            if reply["t"] != messages.ACCEPT:
-                raise ProtocolError(f"expected accept, got {reply['t']!r}")
-            return link, int(reply["last_seq"])
-        except BaseException:
-            link.close(bye=False)
-            raise
-
-    def _read(self, deadline: float) -> dict[str, Any]:
-        """The next server message, waiting at most until ``deadline``."""
-        while not self._pending:
-            if self._cancel():
-                raise Cancelled("sender stopping")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("relay did not answer in time")
-            self.sock.settimeout(min(remaining, 0.05))
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            if not data:
-                raise ConnectionError("relay closed the connection")
-            self._take(data)
-        return self._pending.popleft()
-
-    def _take(self, data: bytes) -> None:
-        for body in self._decoder.feed(data):
-            self._pending.append(messages.validate_server_message(unpack_message(body)))
-
-    def send(self, frame: bytes) -> None:
-        self.sock.settimeout(self.io_timeout)
-        self.sock.sendall(frame)
-
-    def read_acks(self, wait: float) -> int:
-        """Highest ack that arrived within ``wait`` seconds (0 if none).
-
-        Raises ConnectionError when the relay closed or refused mid-stream.
-        """
-        best = 0
-        deadline = time.monotonic() + wait
-        while True:
-            while self._pending:
-                message = self._pending.popleft()
-                if message["t"] == messages.ACK:
-                    best = max(best, message["seq"])
-                elif message["t"] == messages.REFUSE:
-                    raise Refused(message["reason"])
-                else:
-                    raise ProtocolError(f"unexpected {message['t']!r} after accept")
-            remaining = max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([self.sock], [], [], remaining)
-            if not readable:
-                return best
-            self.sock.settimeout(self.io_timeout)
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("relay closed the connection")
-            self._take(data)
-            if best and not self._pending and time.monotonic() >= deadline:
-                return best
-
-    def close(self, bye: bool) -> None:
-        if bye:
-            try:
-                self.sock.settimeout(0.2)
-                self.sock.sendall(encode_frame(messages.bye()))
-            except OSError:
-                pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 class BatchSource(Protocol):
@@ -468,7 +325,7 @@ class Sender:
             link.io_timeout = max(0.05, min(IO_TIMEOUT_S, self._remaining()))
         try:
             for seq, frame in self.buffer.after(self._sent_upto):
-                link.send(frame)
+                link.send(link.conn.send_encoded(seq, frame))
                 self._sent_upto = seq
             if final:
                 # Wait for the relay to hold everything, within the deadline.
@@ -509,6 +366,15 @@ class Sender:
             )
         except Refused as exc:
             self._on_refused(str(exc))
+            self._schedule_retry(BACKOFF_MAX_S)
+            return
+        except Unverified as exc:
+            # Something holds the relay port but not the token: not one batch goes there.
+            self._reporter.report(
+                "unverified-relay",
+                f"the process on relay port {self.host}:{self.port} could not prove it holds TRACEML_TOKEN ({exc}); "
+                "telemetry is not sent to it, kept and retried",
+            )
             self._schedule_retry(BACKOFF_MAX_S)
             return
         except Cancelled:

@@ -1,12 +1,16 @@
-"""Reading and writing whole protocol messages on asyncio streams."""
+"""One asyncio connection under a conversation state machine (traceml_wire.conversation).
+
+The state machine decides what every byte means; this only moves bytes: it
+reads when the relay asks for the next events and writes what the state
+machine produced.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from typing import Any
 
-from traceml_wire import FrameDecoder, ProtocolError, encode_frame, unpack_message
+from traceml_wire import ProtocolError
+from traceml_wire.conversation import ClientConnection, Event, ServerConnection
 
 READ_CHUNK = 64 * 1024
 
@@ -15,39 +19,36 @@ class ConnectionClosed(ConnectionError):
     """The peer closed the stream (cleanly or not) between or inside frames."""
 
 
-class MessageStream:
-    """One connection: a frame decoder over a StreamReader plus its writer.
+class Wire:
+    """A StreamReader/StreamWriter pair and the conversation running over them.
 
     Reads at most ``READ_CHUNK`` bytes at a time and only when the caller asks
-    for the next message, so a slow consumer stops reading and TCP pushes back
+    for the next events, so a slow consumer stops reading and TCP pushes back
     on the peer instead of this process buffering without bound.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_bytes: int) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: ClientConnection | ServerConnection
+    ) -> None:
         self.reader = reader
         self.writer = writer
-        self.decoder = FrameDecoder(max_frame_bytes)
-        self._ready: deque[bytes] = deque()
+        self.conn = conn
 
-    async def read_body(self) -> bytes:
-        """The next raw frame body; raises ConnectionClosed at EOF."""
-        while not self._ready:
+    async def events(self) -> list[Event]:
+        """The next events; raises ConnectionClosed at EOF (ProtocolError inside a frame)."""
+        # First what the conversation held back while a hello waited for its accept.
+        events = self.conn.receive_data(b"")
+        while not events:
             data = await self.reader.read(READ_CHUNK)
             if not data:
-                if self.decoder.buffered_bytes:
+                if self.conn.in_frame:
                     raise ProtocolError("stream ended inside a frame")
                 raise ConnectionClosed("peer closed the connection")
-            self._ready.extend(self.decoder.feed(data))
-        return self._ready.popleft()
+            events = self.conn.receive_data(data)
+        return events
 
-    async def read_message(self) -> dict[str, Any]:
-        return unpack_message(await self.read_body())
-
-    def write(self, message: dict[str, Any] | bytes) -> None:
-        self.writer.write(encode_frame(message))
-
-    async def send(self, message: dict[str, Any] | bytes) -> None:
-        self.write(message)
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
         await self.writer.drain()
 
     async def close(self) -> None:

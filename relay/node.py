@@ -1,8 +1,10 @@
 """NodeRelay: the loopback server for a node's agents, forwarding upstream.
 
-Per agent connection: challenge -> hello (role "agent", HMAC on the token) ->
-accept(last_seq) -> for every ``batch``: hold it, ack it. Bodies are never
-unpacked; they travel on as opaque bytes inside rbatches (see upstream.py).
+Per agent connection a ``ServerConnection`` (traceml_wire.conversation) runs
+the conversation: challenge -> hello (role "agent", HMAC on the token) ->
+accept(last_seq, with the proof of the token) -> for every ``batch``: hold it,
+ack it. Bodies are never unpacked; they travel on as opaque bytes inside
+rbatches (see upstream.py).
 
 Two ways to run it:
   * ``async with NodeRelay(...) as relay:`` / ``await relay.serve()`` (tests,
@@ -20,7 +22,7 @@ import tempfile
 import threading
 from typing import Any
 
-from relay._frames import ConnectionClosed, MessageStream
+from relay._frames import ConnectionClosed, Wire
 from relay._loop import new_event_loop
 from relay.upstream import (
     DEFAULT_BUFFER_BYTES,
@@ -29,10 +31,10 @@ from relay.upstream import (
     Upstream,
     warn,
 )
-from traceml_wire import MAX_AGENT_FRAME_BYTES, MAX_HELLO_FRAME_BYTES, ProtocolError
+from traceml_wire import MAX_AGENT_FRAME_BYTES, ProtocolError
+from traceml_wire import conversation as conv
 from traceml_wire import messages as wm
 from traceml_wire.addresses import is_loopback
-from traceml_wire.auth import new_nonce, verify_hello_mac
 
 DEFAULT_PORT = 29766
 DEFAULT_DAEMON = ("127.0.0.1", 29765)
@@ -101,7 +103,7 @@ class NodeRelay:
         self._held: dict[str, int] = {}  # agent sender -> highest seq held (dedup high-water)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._streams: set[MessageStream] = set()
+        self._wires: set[Wire] = set()
         self._main: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._closing = False
@@ -145,8 +147,8 @@ class NodeRelay:
             # Abort the agent sockets rather than cancel their tasks: each handler then
             # ends through its normal ConnectionClosed path (asyncio logs cancelled
             # start_server callbacks as errors).
-            for stream in list(self._streams):
-                stream.writer.transport.abort()
+            for wire in list(self._wires):
+                wire.writer.transport.abort()
             await asyncio.gather(*self._connections, return_exceptions=True)
             await self.upstream.flush_for_stop(timeout)
             if self.upstream.unacked and self.upstream.spool is None:
@@ -185,22 +187,24 @@ class NodeRelay:
         await self._agent(reader, writer)
 
     async def _agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # Until the hello is accepted only a hello-sized frame is read (an agent sends
-        # nothing else before its accept); then the full agent frame cap applies.
-        stream = MessageStream(reader, writer, min(MAX_HELLO_FRAME_BYTES, self.max_frame_bytes))
+        # The conversation reads only a hello-sized frame until the hello is accepted
+        # (an agent sends nothing else before its accept); then the full agent frame cap.
+        conn = conv.ServerConnection(
+            self._token, roles=frozenset({wm.ROLE_AGENT}), max_frame_bytes=self.max_frame_bytes
+        )
+        wire = Wire(reader, writer, conn)
         if self._closing:
             writer.transport.abort()
             return
-        self._streams.add(stream)
+        self._wires.add(wire)
         sender: str | None = None
         try:
-            sender = await self._handshake(stream)
+            sender = await self._handshake(wire)
             if sender is None:
                 return
-            stream.decoder.max_frame_bytes = self.max_frame_bytes
             self.stats.agents_connected += 1
             try:
-                await self._receive_batches(stream, sender)
+                await self._receive_batches(wire, sender)
             finally:
                 self.stats.agents_connected -= 1
         except ConnectionClosed:
@@ -212,55 +216,51 @@ class NodeRelay:
         except (OSError, ConnectionError):
             pass
         finally:
-            self._streams.discard(stream)
-            await stream.close()
+            self._wires.discard(wire)
+            await wire.close()
 
-    async def _handshake(self, stream: MessageStream) -> str | None:
-        nonce = new_nonce()
-        await stream.send(wm.challenge(nonce))
+    async def _handshake(self, wire: Wire) -> str | None:
+        await wire.send(wire.conn.send_challenge())
         try:
-            hello = wm.validate_client_message(await asyncio.wait_for(stream.read_message(), self.hello_timeout))
+            # The conversation reads nothing past a hello, good or bad: one event.
+            (event,) = await asyncio.wait_for(wire.events(), self.hello_timeout)
         except TimeoutError:
-            return await self._refuse(stream, "no hello within the timeout")
-        except ProtocolError as exc:
-            return await self._refuse(stream, f"bad hello: {exc}")
-        if hello["t"] != wm.HELLO:
-            return await self._refuse(stream, f"expected hello, got {hello['t']!r}")
-        if hello["role"] != wm.ROLE_AGENT:
-            return await self._refuse(stream, f"role {hello['role']!r} cannot connect to a relay")
-        sender = hello["sender"]
-        if not verify_hello_mac(self._token, nonce, hello["role"], sender, hello["mac"]):
-            return await self._refuse(stream, "authentication failed (token mismatch)")
-        self.upstream.peers[sender] = hello["identity"]
-        await stream.send(wm.accept(self._held.get(sender, 0)))
-        return sender
+            return await self._refuse(wire, "no hello within the timeout")
+        except ProtocolError as exc:  # the stream ended inside the hello's frame
+            return await self._refuse(wire, f"bad hello: {exc}")
+        if not isinstance(event, conv.Hello):
+            assert isinstance(event, conv.BadHello)
+            return await self._refuse(wire, event.reason)
+        self.upstream.peers[event.sender] = event.identity
+        await wire.send(wire.conn.send_accept(self._held.get(event.sender, 0)))
+        return event.sender
 
-    async def _refuse(self, stream: MessageStream, reason: str) -> None:
+    async def _refuse(self, wire: Wire, reason: str) -> None:
         self.stats.refused_agents += 1
         warn(f"refused an agent: {reason}")
         try:
-            await asyncio.wait_for(stream.send(wm.refuse(reason)), 1.0)
+            await asyncio.wait_for(wire.send(wire.conn.send_refuse(reason)), 1.0)
         except (TimeoutError, OSError, ConnectionError):
             pass
         return None
 
-    async def _receive_batches(self, stream: MessageStream, sender: str) -> None:
+    async def _receive_batches(self, wire: Wire, sender: str) -> None:
         while True:
-            message = wm.validate_client_message(await stream.read_message())
-            kind = message["t"]
-            if kind == wm.BYE:
-                return
-            if kind != wm.BATCH:
-                raise ProtocolError(f"agents send batch or bye, not {kind!r}")
-            seq = message["seq"]
-            if seq <= self._held.get(sender, 0):
-                self.stats.duplicate_batches += 1  # resent after a reconnect; already held
-            else:
-                self.upstream.put(sender, seq, message["body"])
-                self._held[sender] = seq
-            # Waiting for the ack to drain before reading the next frame is the
-            # per-connection backpressure: a stalled agent socket stops our reads.
-            await stream.send(wm.ack(seq))
+            for event in await wire.events():
+                if isinstance(event, conv.Bye):
+                    return
+                if not isinstance(event, conv.Batch):
+                    assert isinstance(event, conv.ProtocolFailure)
+                    raise ProtocolError(event.reason)
+                seq = event.seq
+                if seq <= self._held.get(sender, 0):
+                    self.stats.duplicate_batches += 1  # resent after a reconnect; already held
+                else:
+                    self.upstream.put(sender, seq, event.body)
+                    self._held[sender] = seq
+                # Waiting for the ack to drain before taking the next frame is the
+                # per-connection backpressure: a stalled agent socket stops our reads.
+                await wire.send(wire.conn.send_ack(seq))
 
 
 # ---------------------------------------------------------------- thread API

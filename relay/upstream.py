@@ -24,12 +24,12 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from relay._frames import MessageStream
+from relay._frames import Wire
 from relay.backoff import Backoff
 from relay.spool_file import Packed, Spool
-from traceml_wire import DEFAULT_MAX_FRAME_BYTES, ProtocolError, pack_message
+from traceml_wire import ProtocolError, encode_frame, pack_message
+from traceml_wire import conversation as conv
 from traceml_wire import messages as wm
-from traceml_wire.auth import hello_mac
 
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 DEFAULT_SPOOL_BYTES = 1024 * 1024 * 1024
@@ -63,6 +63,14 @@ class RelayStats:
         return asdict(self)
 
 
+class DaemonRefused(ConnectionError):
+    """The daemon answered this relay's hello with refuse (a token mismatch, most often)."""
+
+
+class DaemonUnverified(ConnectionError):
+    """What answered on the daemon's address accepted without proving it holds the token."""
+
+
 def warn(message: str) -> None:
     """Relay diagnostics go to stderr with a fixed prefix (never the token)."""
     print(f"[traceml] relay: {message}", file=sys.stderr, flush=True)
@@ -82,7 +90,6 @@ class Upstream:
         flush_interval: float = DEFAULT_FLUSH_INTERVAL,
         tls_ca: str | None = None,
         backoff: Backoff | None = None,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.daemon = daemon
         self._token = token
@@ -95,7 +102,6 @@ class Upstream:
         self.flush_interval = flush_interval
         self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self._backoff = backoff or Backoff()
-        self._max_frame_bytes = max_frame_bytes
         self.spool = Spool(spool_dir, spool_bytes) if spool_dir and spool_bytes > 0 else None
         # Highest rbatch seq the spool cap dropped. Dropped records stay on disk until their
         # whole segment goes, so rbatches say it: ``traceml-daemon ingest`` must not store
@@ -117,7 +123,7 @@ class Upstream:
         self.unreachable = False
         self._retry_now = asyncio.Event()
         self._attempt_failed = asyncio.Event()
-        self._stream: MessageStream | None = None
+        self._wire: Wire | None = None
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------ intake
@@ -275,12 +281,7 @@ class Upstream:
                 await self._connect_and_stream()
             except (TimeoutError, OSError, ConnectionError, ProtocolError, EOFError) as exc:
                 self.unreachable = True
-                where = f"; buffering, then spooling under {self.spool.directory}" if self.spool else ""
-                self._warn_once(
-                    "unreachable",
-                    f"daemon {self.daemon[0]}:{self.daemon[1]} unreachable or dropped: {exc!r}{self._tls_hint(exc)}; "
-                    f"retrying{where}",
-                )
+                self._warn_once(*self._describe(exc))
             except Exception as exc:  # a bug must not silently end forwarding for the whole node
                 self._warn_once(f"bug-{type(exc).__name__}", f"unexpected error on the daemon connection: {exc!r}; retrying")
             finally:
@@ -290,6 +291,18 @@ class Upstream:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._retry_now.wait(), self._backoff.next_delay())
             self._retry_now.clear()
+
+    def _describe(self, exc: BaseException) -> tuple[str, str]:
+        """The warning key and line for a failed or lost daemon connection."""
+        daemon = f"daemon {self.daemon[0]}:{self.daemon[1]}"
+        where = f"; buffering, then spooling under {self.spool.directory}" if self.spool else ""
+        if isinstance(exc, DaemonUnverified):
+            return "unverified", (f"{daemon} did not prove it holds TRACEML_TOKEN ({exc}); nothing is forwarded "
+                                  f"to it; retrying{where}")
+        if isinstance(exc, DaemonRefused):
+            return "refused", (f"{daemon} refused this relay: {exc}; check that both hold the same TRACEML_TOKEN; "
+                               f"retrying{where}")
+        return "unreachable", f"{daemon} unreachable or dropped: {exc!r}{self._tls_hint(exc)}; retrying{where}"
 
     def _tls_hint(self, exc: BaseException) -> str:
         """Name the settings to check when TLS itself failed: retrying cannot fix those."""
@@ -303,29 +316,18 @@ class Upstream:
             asyncio.open_connection(host, port, ssl=self._ssl, server_hostname=host if self._ssl else None),
             CONNECT_TIMEOUT,
         )
-        stream = MessageStream(reader, writer, self._max_frame_bytes)
+        wire = Wire(reader, writer, conv.ClientConnection(self._token))
         try:
-            challenge = wm.validate_server_message(await asyncio.wait_for(stream.read_message(), CONNECT_TIMEOUT))
-            if challenge["t"] != wm.CHALLENGE:
-                raise ProtocolError(f"expected challenge, got {challenge['t']!r}")
-            mac = hello_mac(self._token, challenge["nonce"], wm.ROLE_RELAY, self.sender)
-            identity = {**self.node, "pid": os.getpid()}
-            await stream.send(wm.hello(role=wm.ROLE_RELAY, sender=self.sender, session=self.session, identity=identity, mac=mac))
-            reply = wm.validate_server_message(await asyncio.wait_for(stream.read_message(), CONNECT_TIMEOUT))
-            if reply["t"] == wm.REFUSE:
-                raise ProtocolError(f"daemon refused the relay: {reply['reason']}")
-            if reply["t"] != wm.ACCEPT:
-                raise ProtocolError(f"expected accept, got {reply['t']!r}")
-            self.ack(reply["last_seq"])
+            self.ack(await asyncio.wait_for(self._handshake(wire), CONNECT_TIMEOUT))
             self.connected = True
             self.unreachable = False
             self.stats.upstream_connects += 1
             self._backoff.reset()
             self._warned.clear()  # a later outage deserves a fresh message
-            self._stream = stream
+            self._wire = wire
             # Either half failing ends the connection; the other is cancelled and
             # the first cause propagates as a plain exception for run() to classify.
-            tasks = [asyncio.ensure_future(self._read_acks(stream)), asyncio.ensure_future(self._send_all(stream))]
+            tasks = [asyncio.ensure_future(self._read_acks(wire)), asyncio.ensure_future(self._send_all(wire))]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -335,34 +337,55 @@ class Upstream:
             for task in done:
                 task.result()
         finally:
-            self._stream = None
-            await stream.close()
+            self._wire = None
+            await wire.close()
 
-    async def _send_all(self, stream: MessageStream) -> None:
+    async def _handshake(self, wire: Wire) -> int:
+        """Challenge, hello, accept with the daemon's proof of the token; its last_seq."""
+        while True:
+            for event in await wire.events():
+                if isinstance(event, conv.Challenge):
+                    identity = {**self.node, "pid": os.getpid()}
+                    await wire.send(wire.conn.send_hello(role=wm.ROLE_RELAY, sender=self.sender,
+                                                         session=self.session, identity=identity))
+                elif isinstance(event, conv.Accepted):
+                    return event.last_seq
+                else:
+                    self._fail(event)
+
+    @staticmethod
+    def _fail(event: conv.Event) -> None:
+        if isinstance(event, conv.Refused):
+            raise DaemonRefused(event.reason)
+        if isinstance(event, conv.Unverified):
+            raise DaemonUnverified(event.reason)
+        raise ProtocolError(getattr(event, "reason", f"unexpected {type(event).__name__} from the daemon"))
+
+    async def _send_all(self, wire: Wire) -> None:
         sent = self._acked  # everything above the ack is resent on a new connection
         while True:
             packed = self._next_after(sent)
-            if packed is None:
+            if packed is None or wire.conn.state is not conv.State.OPEN:  # not after say_bye
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            await stream.send(packed.data)
+            await wire.send(wire.conn.send_encoded(packed.seq, encode_frame(packed.data)))
             self.stats.rbatches_sent += 1
             sent = packed.seq
 
-    async def _read_acks(self, stream: MessageStream) -> None:
+    async def _read_acks(self, wire: Wire) -> None:
         while True:
-            message = wm.validate_server_message(await stream.read_message())
-            if message["t"] != wm.ACK:
-                raise ProtocolError(f"unexpected {message['t']!r} from daemon")
-            self.ack(message["seq"])
+            for event in await wire.events():
+                if not isinstance(event, conv.Ack):
+                    self._fail(event)
+                self.ack(event.seq)
 
     async def say_bye(self) -> None:
         """Tell the daemon this is a clean end of stream (best effort)."""
-        stream = self._stream
-        if stream is not None and self.connected:
+        wire = self._wire
+        if wire is not None and self.connected and wire.conn.state is conv.State.OPEN:
             try:
-                await asyncio.wait_for(stream.send(wm.bye()), 0.5)
+                await asyncio.wait_for(wire.send(wire.conn.send_bye()), 0.5)
             except (TimeoutError, OSError, ConnectionError):
                 pass
 
@@ -380,9 +403,9 @@ class Upstream:
             if self.stats.dropped_batches != dropped:
                 self._spool_final_stats()
             kept = self.spool.close(keep_unacked=True)
-            # One line per process: when the daemon was reported unreachable, that
-            # line already named the spool directory.
-            if kept and "unreachable" not in self._warned:
+            # One line per process: when the daemon was reported unreachable (or
+            # refused, or unverified), that line already named the spool directory.
+            if kept and not self._warned & {"unreachable", "refused", "unverified"}:
                 warn(f"daemon did not acknowledge everything; unsent data kept in {len(kept)} spool file(s) under {self.spool.directory}")
         self._memory.clear()
         self._memory_bytes = 0

@@ -2,9 +2,12 @@
 
 Sans-I/O: nothing here touches a socket, a thread or an event loop, and the
 only third-party import is msgpack. Each peer wraps these pieces in its own
-thin I/O shell (a thread in the agent, asyncio streams in relay and daemon).
+thin I/O shell (a thread in the agent, asyncio streams in relay and daemon)
+around the conversation's state machines, ``ClientConnection`` and
+``ServerConnection`` (traceml_wire.conversation).
 """
 
+from traceml_wire.conversation import ClientConnection, LocalProtocolError, ServerConnection, State
 from traceml_wire.errors import FrameTooLarge, ProtocolError
 from traceml_wire.framing import (
     BATCH_OVERHEAD_BYTES,
@@ -22,6 +25,10 @@ from traceml_wire.framing import (
 
 __all__ = [
     "BATCH_OVERHEAD_BYTES",
+    "ClientConnection",
+    "LocalProtocolError",
+    "ServerConnection",
+    "State",
     "DEFAULT_MAX_FRAME_BYTES",
     "HEADER_BYTES",
     "MAX_AGENT_BODY_BYTES",

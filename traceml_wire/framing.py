@@ -70,56 +70,112 @@ def unpack_message(body: bytes) -> dict[str, Any]:
 
 
 class FrameDecoder:
-    """Incremental frame splitter: ``feed`` bytes, then iterate ``frames()``.
+    """Incremental frame splitter.
 
-    Holds at most one partial frame (bounded by ``max_frame_bytes``) plus
-    whatever the caller fed in one call. After an error the decoder is
-    poisoned: the stream has lost framing and the connection must close.
+    Two ways to drive it: ``feed(data)`` returns every frame body now complete;
+    or ``append(data)`` then ``next_frame()`` one body at a time, which lets the
+    caller change ``max_frame_bytes`` between frames (a server raises it once the
+    peer is accepted) and read ``next_frame_length`` (the declared length of the
+    frame whose header is in, so a server can reserve that much before it reads
+    the body). A declared length over the cap is refused from the 4-byte header
+    alone, before any of the body is buffered.
+
+    A fed chunk that is exactly one frame body (a server reading header and body
+    separately) comes back as the same object, not a copy. After an error the
+    decoder is poisoned: the stream has lost framing and the connection must close.
     """
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         if max_frame_bytes <= 0:
             raise ValueError("max_frame_bytes must be positive")
         self.max_frame_bytes = max_frame_bytes
-        self._buffer = bytearray()
-        self._need: int | None = None  # body length of the frame being read
+        self._data: bytes | bytearray = b""  # unread bytes are self._data[self._pos:]
+        self._pos = 0
+        self._need: int | None = None  # body length of the frame whose header was read
         self._error: ProtocolError | None = None
         self.frames_decoded = 0
         self.bytes_decoded = 0
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buffer)
+        """Bytes held and not yet returned (a header already parsed is not counted)."""
+        return len(self._data) - self._pos
+
+    @property
+    def in_frame(self) -> bool:
+        """True while part of a frame (header or body) has been read: EOF now cuts a frame."""
+        return self._need is not None or self.buffered_bytes > 0
+
+    @property
+    def next_frame_length(self) -> int | None:
+        """The declared body length of the frame being read, once its header is in."""
+        return self._need
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add bytes from the stream; return every frame body now complete."""
-        if self._error is not None:
-            raise self._error
-        self._buffer += data
+        self.append(data)
         out: list[bytes] = []
-        while True:
-            if self._need is None:
-                if len(self._buffer) < HEADER_BYTES:
-                    break
-                (declared,) = _HEADER.unpack_from(self._buffer)
-                if declared > self.max_frame_bytes:
-                    self._error = FrameTooLarge(declared, self.max_frame_bytes)
-                    self._buffer.clear()
-                    raise self._error
-                del self._buffer[:HEADER_BYTES]
-                self._need = declared
-            if len(self._buffer) < self._need:
-                break
-            body = bytes(self._buffer[: self._need])
-            del self._buffer[: self._need]
-            self._need = None
-            self.frames_decoded += 1
-            self.bytes_decoded += HEADER_BYTES + len(body)
+        while (body := self.next_frame()) is not None:
             out.append(body)
         return out
+
+    def append(self, data: bytes) -> None:
+        """Hold ``data`` for ``next_frame``; nothing is parsed yet."""
+        if self._error is not None:
+            raise self._error
+        if not data:
+            return
+        if not isinstance(data, bytes):
+            data = bytes(data)  # a caller's bytearray may change after this returns
+        if self._pos == len(self._data):
+            # Nothing held: keep a reference instead of copying (the common case of a
+            # server that reads exactly one body, or a chunk of whole frames).
+            self._data, self._pos = data, 0
+            return
+        if isinstance(self._data, bytearray):
+            if self._pos > 65536 and self._pos * 2 > len(self._data):
+                del self._data[: self._pos]
+                self._pos = 0
+        else:
+            self._data, self._pos = bytearray(memoryview(self._data)[self._pos :]), 0
+        self._data += data
+
+    def next_frame(self) -> bytes | None:
+        """The next whole frame body, or None until more bytes arrive.
+
+        Raises FrameTooLarge (as soon as a header declares more than
+        ``max_frame_bytes``) or the error that poisoned the decoder before.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._need is None:
+            if self.buffered_bytes < HEADER_BYTES:
+                return None
+            (declared,) = _HEADER.unpack_from(self._data, self._pos)
+            if declared > self.max_frame_bytes:
+                self._error = FrameTooLarge(declared, self.max_frame_bytes)
+                self._data, self._pos = b"", 0
+                raise self._error
+            self._pos += HEADER_BYTES
+            self._need = declared
+        need = self._need
+        if self.buffered_bytes < need:
+            return None
+        start, data = self._pos, self._data
+        if start == 0 and need == len(data) and isinstance(data, bytes):
+            body = data
+        else:
+            body = bytes(memoryview(data)[start : start + need])
+        self._pos += need
+        if self._pos == len(self._data):
+            self._data, self._pos = b"", 0
+        self._need = None
+        self.frames_decoded += 1
+        self.bytes_decoded += HEADER_BYTES + need
+        return body
 
     def expected_bytes(self) -> int:
         """How many more bytes complete the current header or body (>= 1)."""
         if self._need is None:
-            return max(1, HEADER_BYTES - len(self._buffer))
-        return max(1, self._need - len(self._buffer))
+            return max(1, HEADER_BYTES - self.buffered_bytes)
+        return max(1, self._need - self.buffered_bytes)

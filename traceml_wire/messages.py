@@ -3,10 +3,15 @@
 Conversation on every connection (server = relay for agents, daemon for relays):
 
     server -> challenge {v, nonce}
-    client -> hello     {v, role, sender, session, identity, mac}
-    server -> accept    {v, last_seq}      or  refuse {reason} and close
+    client -> hello     {v, role, sender, session, identity, mac[, cnonce]}
+    server -> accept    {v, last_seq[, proof]}   or  refuse {reason} and close
     client -> batch ...  (numbered)        server -> ack {seq}
     client -> bye                           (clean end of stream)
+
+``cnonce`` (the client's own nonce) and ``proof`` (the server's HMAC over it,
+see ``auth.accept_proof``) make the authentication mutual when a token is set;
+both are optional, so peers without them still talk. The state machine that
+says which message is legal when is ``traceml_wire.conversation``.
 
 Unknown fields are ignored everywhere (additive evolution). An unknown message
 type is a ProtocolError for that peer only.
@@ -62,9 +67,9 @@ def challenge(nonce: bytes) -> dict[str, Any]:
 
 
 def hello(
-    *, role: str, sender: str, session: str, identity: dict[str, Any], mac: bytes
+    *, role: str, sender: str, session: str, identity: dict[str, Any], mac: bytes, cnonce: bytes | None = None
 ) -> dict[str, Any]:
-    return {
+    message = {
         "t": HELLO,
         "v": PROTOCOL_VERSION,
         "role": role,
@@ -73,10 +78,16 @@ def hello(
         "identity": identity,
         "mac": mac,
     }
+    if cnonce is not None:
+        message["cnonce"] = cnonce
+    return message
 
 
-def accept(last_seq: int = 0) -> dict[str, Any]:
-    return {"t": ACCEPT, "v": PROTOCOL_VERSION, "last_seq": last_seq}
+def accept(last_seq: int = 0, proof: bytes | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"t": ACCEPT, "v": PROTOCOL_VERSION, "last_seq": last_seq}
+    if proof is not None:
+        message["proof"] = proof
+    return message
 
 
 def refuse(reason: str) -> dict[str, Any]:
@@ -177,6 +188,9 @@ def validate_client_message(
             raise ProtocolError("hello sender must be 1..200 characters")
         _require(message, "session", str)
         _require(message, "mac", bytes)
+        cnonce = message.get("cnonce")
+        if cnonce is not None and (not isinstance(cnonce, bytes) or not 8 <= len(cnonce) <= 64):
+            raise ProtocolError("hello cnonce must be 8..64 bytes")
         message["identity"] = clean_identity(message.get("identity", {}))
     elif kind == BATCH:
         _seq(message)
@@ -225,6 +239,8 @@ def validate_server_message(message: dict[str, Any]) -> dict[str, Any]:
     elif kind == ACCEPT:
         last = message.get("last_seq", 0)
         message["last_seq"] = last if isinstance(last, int) and not isinstance(last, bool) else 0
+        if "proof" in message and not isinstance(message["proof"], bytes):
+            del message["proof"]  # a malformed proof counts as none (the client then refuses to trust it)
     elif kind == REFUSE:
         reason = message.get("reason")
         message["reason"] = reason if isinstance(reason, str) else "refused"

@@ -1,9 +1,11 @@
 """A tiny real relay for agent tests: real sockets, real wire framing.
 
 It speaks the server side of the handshake (challenge, verify the hello MAC,
-accept with the held high-water mark or refuse) and acks batches, with knobs
-to misbehave: hang up before the challenge, drop the connection after N
-batches without acking, never answer at all.
+accept with the held high-water mark and, holding a token, the proof of it,
+or refuse) and acks batches, with knobs to misbehave: hang up before the
+challenge, drop the connection after N batches without acking, never answer
+at all, accept without proving the token (a squatter on the relay port).
+It is written on the raw wire on purpose, apart from traceml_wire.conversation.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from traceml_wire import messages
-from traceml_wire.auth import new_nonce, verify_hello_mac
+from traceml_wire.auth import accept_proof, new_nonce, verify_hello_mac
 from traceml_wire.framing import FrameDecoder, encode_frame, unpack_message
 
 
 class FakeRelay:
     def __init__(self, *, token: str | None = None) -> None:
         self.token = token
-        self.mode = "normal"  # normal | hangup | silent | refuse
+        self.mode = "normal"  # normal | hangup | silent | refuse | squat
         self.refuse_reason = "go away"
+        self.squat_proof: bytes | None = b"\x00" * 32  # what a squatter puts as its proof (None: no proof)
         self.ack = True
         self.drop_after: int | None = None  # close after this many batches, unacked
         self.hellos: list[dict[str, Any]] = []
@@ -86,13 +89,20 @@ class FakeRelay:
             self.hellos.append(hello)
             self._cond.notify_all()
         sender = hello["sender"]
-        if not verify_hello_mac(self.token, nonce, hello["role"], sender, hello["mac"]):
+        squat = self.mode == "squat"  # a squatter takes every hello: it cannot check the MAC
+        if not squat and not verify_hello_mac(self.token, nonce, hello["role"], sender, hello["mac"]):
             conn.sendall(encode_frame(messages.refuse("bad token")))
             return
         if self.mode == "refuse":
             conn.sendall(encode_frame(messages.refuse(self.refuse_reason)))
             return
-        conn.sendall(encode_frame(messages.accept(self.held.get(sender, 0))))
+        last_seq = self.held.get(sender, 0)
+        proof = None
+        if squat:
+            proof = self.squat_proof  # the squatter cannot compute one
+        elif self.token and "cnonce" in hello:
+            proof = accept_proof(self.token, hello["cnonce"], nonce, hello["role"], sender, last_seq)
+        conn.sendall(encode_frame(messages.accept(last_seq, proof)))
         received = 0
         for message in frames:
             if message["t"] == messages.BYE:

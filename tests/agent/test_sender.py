@@ -162,6 +162,26 @@ def test_wrong_token_is_refused(make_relay: Any, capsys: pytest.CaptureFixture[s
     assert "[traceml] relay refused: bad token" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("proof", ["forged", "absent"])
+def test_a_relay_port_held_without_the_token_gets_nothing_and_one_line(
+    make_relay: Any, capsys: pytest.CaptureFixture[str], proof: str
+) -> None:
+    squatter: FakeRelay = make_relay(token=None)
+    squatter.mode = "squat"
+    squatter.squat_proof = b"\x00" * 32 if proof == "forged" else None
+    reporter = ErrorReporter()
+    sender = make_sender(squatter.port, token="s3cret", reporter=reporter)
+    sender.start()
+    assert squatter.wait_for(lambda: len(squatter.hellos) >= 3)  # it keeps trying, in case the relay comes
+    assert sender.stop(1.0)
+    assert squatter.batches == [] and squatter.byes == 0
+    err = capsys.readouterr().err
+    assert err.count("[traceml]") == 1 and "could not prove it holds TRACEML_TOKEN" in err, err
+    assert "s3cret" not in err
+    assert reporter.counts["unverified-relay"] >= 3
+    assert len(sender.buffer) == sender.seq and sender.acked == 0  # kept, not sent
+
+
 def test_unreachable_warns_once_and_stop_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
     # Bound but not listening: connects are refused, and no one else can take the port.
     with socket.socket() as unused:

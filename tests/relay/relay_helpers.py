@@ -10,7 +10,7 @@ from typing import Any
 
 from traceml_wire import FrameDecoder, encode_frame, unpack_message
 from traceml_wire import messages as wm
-from traceml_wire.auth import hello_mac, new_nonce, verify_hello_mac
+from traceml_wire.auth import accept_proof, hello_mac, new_nonce, verify_accept_proof, verify_hello_mac
 
 
 async def read_message(reader: asyncio.StreamReader, decoder: FrameDecoder, ready: list[bytes]) -> dict[str, Any]:
@@ -26,7 +26,10 @@ class FakeDaemon:
     """Speaks the server side of the conversation to relays and records rbatches.
 
     ``withhold_acks`` stops acking (rbatches stay unacked in the relay);
-    ``drop()`` cuts every open connection, as a daemon restart would.
+    ``drop()`` cuts every open connection, as a daemon restart would;
+    ``squat`` accepts every hello without checking it and sends ``squat_proof``
+    (None: no proof) instead of a proof of the token, as a process that took the
+    daemon's port without the token would.
     """
 
     def __init__(self, token: str | None = None) -> None:
@@ -35,6 +38,8 @@ class FakeDaemon:
         self.hellos: list[dict[str, Any]] = []
         self.withhold_acks = False
         self.refuse: str | None = None
+        self.squat = False
+        self.squat_proof: bytes | None = None
         self.connections = 0
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -64,12 +69,16 @@ class FakeDaemon:
             writer.write(encode_frame(wm.challenge(nonce)))
             hello = wm.validate_client_message(await read_message(reader, decoder, ready))
             self.hellos.append(hello)
-            if self.refuse or not verify_hello_mac(self.token, nonce, hello["role"], hello["sender"], hello["mac"]):
+            good_mac = verify_hello_mac(self.token, nonce, hello["role"], hello["sender"], hello["mac"])
+            if not self.squat and (self.refuse or not good_mac):
                 writer.write(encode_frame(wm.refuse(self.refuse or "bad token")))
                 await writer.drain()
                 return
             self.connections += 1
-            writer.write(encode_frame(wm.accept(0)))
+            proof = self.squat_proof
+            if not self.squat and self.token and "cnonce" in hello:
+                proof = accept_proof(self.token, hello["cnonce"], nonce, hello["role"], hello["sender"], 0)
+            writer.write(encode_frame(wm.accept(0, proof)))
             while True:
                 msg = wm.validate_client_message(await read_message(reader, decoder, ready))
                 if msg["t"] == wm.BYE:
@@ -110,11 +119,17 @@ class FakeAgent:
         self._decoder, self._ready = FrameDecoder(), []  # type: ignore[var-annotated]
 
     async def connect(self, role: str = "agent") -> dict[str, Any]:
+        """Hello on a fresh connection; the reply. An accept must prove the token (when set)."""
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         challenge = await self.read()
         mac = hello_mac(self.token, challenge["nonce"], role, self.sender)
-        self.send(wm.hello(role=role, sender=self.sender, session="s", identity=self.identity, mac=mac))
-        return await self.read()
+        cnonce = new_nonce()
+        self.send(wm.hello(role=role, sender=self.sender, session="s", identity=self.identity, mac=mac, cnonce=cnonce))
+        reply = await self.read()
+        if reply["t"] == "accept" and self.token:
+            assert verify_accept_proof(self.token, cnonce, challenge["nonce"], role, self.sender, reply["last_seq"],
+                                       reply.get("proof")), "the relay's accept does not prove the token"
+        return reply
 
     async def read(self) -> dict[str, Any]:
         return await read_message(self.reader, self._decoder, self._ready)

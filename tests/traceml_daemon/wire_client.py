@@ -64,8 +64,15 @@ class WireClient:
         challenge = self.recv()
         assert challenge is not None and challenge["t"] == messages.CHALLENGE
         mac = auth.hello_mac(token, challenge["nonce"], role, sender)
-        self.send(messages.hello(role=role, sender=sender, session=session, identity=identity or {}, mac=mac))
-        return self.recv()
+        cnonce = auth.new_nonce()
+        self.send(messages.hello(role=role, sender=sender, session=session, identity=identity or {}, mac=mac,
+                                 cnonce=cnonce))
+        reply = self.recv()
+        if reply is not None and reply["t"] == messages.ACCEPT and token:
+            # The daemon proves the token back (mutual authentication).
+            assert auth.verify_accept_proof(token, cnonce, challenge["nonce"], role, sender, reply["last_seq"],
+                                            reply.get("proof")), "the daemon's accept does not prove the token"
+        return reply
 
     def rbatch(
         self, seq: int, items: list[list[Any]], peers: dict[str, dict[str, Any]], node: dict[str, Any] | None = None,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from traceml_wire import ProtocolError, pack_message, unpack_message
 from traceml_wire import messages as m
-from traceml_wire.auth import hello_mac, new_nonce, verify_hello_mac
+from traceml_wire.auth import accept_proof, hello_mac, new_nonce, verify_accept_proof, verify_hello_mac
 
 
 def _roundtrip(msg: dict[str, Any]) -> dict[str, Any]:
@@ -32,7 +32,8 @@ def test_builders_pass_their_own_validators() -> None:
     ]
     for msg in client:
         assert m.validate_client_message(_roundtrip(msg))["t"] == msg["t"]
-    server = [m.challenge(new_nonce()), m.accept(7), m.refuse("no"), m.ack(3)]
+    client.append(_hello(cnonce=new_nonce()))
+    server = [m.challenge(new_nonce()), m.accept(7), m.accept(7, proof=b"p" * 32), m.refuse("no"), m.ack(3)]
     for msg in server:
         assert m.validate_server_message(_roundtrip(msg))["t"] == msg["t"]
 
@@ -71,6 +72,9 @@ def test_unknown_fields_are_ignored() -> None:
         {"session": 5},
         {"mac": "not-bytes"},
         {"identity": [1]},
+        {"cnonce": "text"},
+        {"cnonce": b"short"},
+        {"cnonce": b"x" * 65},
     ],
 )
 def test_hello_rejects_bad_fields(over: dict[str, Any]) -> None:
@@ -140,6 +144,7 @@ def test_server_messages_defaults() -> None:
     assert m.validate_server_message({"t": "accept"})["last_seq"] == 0
     assert m.validate_server_message({"t": "accept", "last_seq": True})["last_seq"] == 0
     assert m.validate_server_message({"t": "refuse", "reason": 3})["reason"] == "refused"
+    assert "proof" not in m.validate_server_message({"t": "accept", "proof": "text"})  # counts as none
     with pytest.raises(ProtocolError):
         m.validate_server_message({"t": "challenge", "nonce": b"short"})
     with pytest.raises(ProtocolError):
@@ -158,12 +163,38 @@ def test_mac_binds_token_nonce_role_and_sender() -> None:
     assert verify_hello_mac(None, nonce, "agent", "s1", hello_mac("", nonce, "agent", "s1"))
 
 
+def test_the_new_fields_are_additive() -> None:
+    """Without a cnonce or a proof the messages are exactly the ones older peers send."""
+    assert "cnonce" not in _hello() and m.accept(3) == {"t": "accept", "v": 1, "last_seq": 3}
+    assert m.hello(role="agent", sender="s", session="s", identity={}, mac=b"m", cnonce=b"c" * 16)["cnonce"] == b"c" * 16
+
+
+def test_proof_binds_token_both_nonces_role_sender_and_last_seq() -> None:
+    cnonce, snonce = new_nonce(), new_nonce()
+    proof = accept_proof("tok", cnonce, snonce, "agent", "s1", 4)
+    assert verify_accept_proof("tok", cnonce, snonce, "agent", "s1", 4, proof)
+    for args in [("other", cnonce, snonce, "agent", "s1", 4), ("tok", snonce, cnonce, "agent", "s1", 4),
+                 ("tok", cnonce, snonce, "relay", "s1", 4), ("tok", cnonce, snonce, "agent", "s2", 4),
+                 ("tok", cnonce, snonce, "agent", "s1", 5)]:
+        assert not verify_accept_proof(*args, proof)
+    assert not verify_accept_proof("tok", cnonce, snonce, "agent", "s1", 4, "text")
+
+
+def test_a_hello_mac_is_never_a_proof_and_a_proof_never_a_mac() -> None:
+    # Domain separation: the proof is keyed with a key derived from the token.
+    nonce = new_nonce()
+    mac = hello_mac("tok", nonce, "agent", "s1")
+    assert not verify_accept_proof("tok", nonce, nonce, "agent", "s1", 0, mac)
+    proof = accept_proof("tok", nonce, nonce, "agent", "s1", 0)
+    assert not verify_hello_mac("tok", nonce, "agent", "s1", proof)
+
+
 _any = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5) | st.binary(max_size=5) | st.floats(),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=10,
 )
-_keys = st.sampled_from(["t", "v", "seq", "body", "items", "peers", "node", "stats", "role", "sender", "session", "mac", "identity", "nonce", "last_seq", "reason"])
+_keys = st.sampled_from(["t", "v", "seq", "body", "items", "peers", "node", "stats", "role", "sender", "session", "mac", "identity", "nonce", "last_seq", "reason", "cnonce", "proof"])
 
 
 @settings(max_examples=300, deadline=None)

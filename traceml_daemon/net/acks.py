@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import asyncio
 
-from traceml_daemon.net.peer import PeerSession
+from traceml_wire import messages
+from traceml_wire.conversation import ServerConnection, State
+from traceml_wire.framing import encode_frame
 
 
 class AckWriter:
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    """``conn``: the conversation the acks belong to, which checks each one; without
+    it (a writer driven on its own) the acks are framed as they come."""
+
+    def __init__(self, writer: asyncio.StreamWriter, conn: ServerConnection | None = None) -> None:
         self._writer = writer
+        self._conn = conn
         self._frames: list[bytes] = []
         self.failed = False  # a batch of this connection was not stored (see fail)
 
     def ack(self, seq: int) -> None:
+        conn = self._conn
+        if conn is not None and conn.state is not State.OPEN:
+            return  # the peer said bye or broke the protocol: its connection is closing
         if not self._frames:
             asyncio.get_running_loop().call_soon(self.flush)
-        self._frames.append(PeerSession.ack(seq))
+        self._frames.append(conn.send_ack(seq) if conn is not None else encode_frame(messages.ack(seq)))
 
     def flush(self) -> None:
         frames, self._frames = self._frames, []

@@ -1,7 +1,9 @@
 """The daemon's asyncio shell: sockets in, the single writer out.
 
-Each connection runs a ``PeerSession`` (the protocol logic) over asyncio
-streams; accepted batches go into one ``ByteQueue`` whose bound in bytes is
+Each connection runs a ``ServerConnection`` (traceml_wire.conversation: the
+whole protocol) over asyncio streams, fed frame by frame so that each frame's
+bytes are reserved before its body is read; accepted batches, in the one shape
+of ``net.peer.as_batch``, go into one ``ByteQueue`` whose bound in bytes is
 the backpressure; one ``StoreWriter`` task commits them and the ack goes back
 only after COMMIT. Everything runs in one ``asyncio.TaskGroup`` so shutdown
 is a single cancellation scope.
@@ -26,10 +28,11 @@ from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
 from traceml_daemon.net.acks import AckWriter
 from traceml_daemon.net.inbound import ByteBudget, ByteQueue, QueueClosed
-from traceml_daemon.net.peer import Batch, Closed, Event, Failed, Hello, PeerSession, Refused
+from traceml_daemon.net.peer import Batch, as_batch, new_connection, tls_hint
 from traceml_daemon.store.retention import RetentionPolicy
+from traceml_wire import conversation as conv
 from traceml_wire import messages
-from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MAX_HELLO_FRAME_BYTES
+from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES
 
 log = logging.getLogger("traceml_daemon.net.server")
 
@@ -57,7 +60,6 @@ class ServerConfig:
     metrics_port: int | None = None  # serve OpenMetrics on GET /metrics when set (0 = any free port)
     retention_days: float | None = None  # delete raw rows older than this (history stays)
     max_db_mb: float | None = None  # delete the oldest raw rows while the db uses more
-
 
 
 def _peer_name(writer: asyncio.StreamWriter) -> str:
@@ -293,7 +295,7 @@ class DaemonServer:
         peer = _peer_name(writer)
         if self._at_capacity(peer):
             with contextlib.suppress(Exception):
-                writer.write(PeerSession(None).refuse("too many connections"))
+                writer.write(conv.ServerConnection(None).send_refuse("too many connections"))
                 await writer.drain()
             writer.close()
             return
@@ -314,172 +316,127 @@ class DaemonServer:
                 await writer.wait_closed()
 
     async def _converse(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = PeerSession(self.config.token, self.config.max_frame_bytes)
-        acks = AckWriter(writer)
-        writer.write(session.challenge())
+        conn = new_connection(self.config.token, self.config.max_frame_bytes)
+        acks = AckWriter(writer, conn)
+        writer.write(conn.send_challenge())
         try:
             # The hello must arrive in time: a silent or trickling peer (slowloris)
             # would otherwise hold a connection slot forever.
             async with asyncio.timeout(self.config.hello_timeout):
-                hello = await self._await_hello(peer, session, reader, writer, acks)
+                hello = await self._await_hello(peer, conn, reader, writer)
         except TimeoutError:
             self.counters.refused_peers += 1
             log.warning("refused %s: no hello within %.0f s", peer, self.config.hello_timeout)
             with contextlib.suppress(Exception):
-                writer.write(session.refuse("no hello in time"))
+                writer.write(conn.send_refuse("no hello in time"))
             return
         if hello is None:
             return
-        while True:
-            # Frame by frame: its bytes are reserved before its body is read, so a
-            # daemon whose writer is behind stops reading sockets with a bounded
-            # amount in hand, however many peers are sending.
-            try:
-                header = await reader.readexactly(HEADER_BYTES)
-            except asyncio.IncompleteReadError:
-                log.info("disconnect %s (%s)", peer, hello.sender)
-                return
-            declared = int.from_bytes(header, "big")
-            if declared > self.config.max_frame_bytes:
-                # Refused from the header alone, before a byte of the body is read.
-                for event in self._receive(session, header):
-                    await self._on_event(peer, session, hello, event, writer, acks)
-                return
-            if not await self._take_frame(peer, session, hello, declared, reader, writer, acks):
-                return
+        while await self._take_frame(peer, conn, hello, reader, acks):
+            pass
 
     async def _take_frame(
-        self,
-        peer: str,
-        session: PeerSession,
-        hello: Hello,
-        declared: int,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        acks: AckWriter,
+        self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, reader: asyncio.StreamReader, acks: AckWriter
     ) -> bool:
-        """Read the body of a frame of ``declared`` bytes (its header read) under the
-        inbound budget, and act on it; False once the connection must close.
+        """Read one frame, its body under the inbound budget, and act on it; False once
+        the connection must close.
 
-        A method of its own so that nothing of the frame outlives it: as locals of the
-        read loop, the last frame's bytes and decoded batch stayed alive while the
-        handler waited for its next frame and for budget, about a frame per connection
-        (bench/ingest.py R=4096 throughput, 512 relays of 2 MB rbatches: peak RSS 2.4 GB,
-        1.4 GB once the raw body was dropped early, 731 MB with this method)."""
+        Frame by frame, its bytes reserved before its body is read: a daemon whose
+        writer is behind stops reading sockets with a bounded amount in hand, however
+        many peers are sending. A method of its own so that nothing of the frame
+        outlives it: as locals of the read loop, the last frame's bytes and decoded
+        batch stayed alive while the handler waited for its next frame and for budget,
+        about a frame per connection."""
+        events = await self._read_header(peer, hello, conn, reader)
+        if events is None:
+            return False
+        if events:  # refused from the header alone, before a byte of the body is read
+            return await self._on_event(peer, hello, events[0], acks)
+        declared = conn.next_frame_length
+        assert declared is not None
         async with self.inbound.hold(HEADER_BYTES + declared):
-            try:
-                body = await reader.readexactly(declared)
-            except asyncio.IncompleteReadError:
-                log.info("disconnect %s (%s) inside a frame", peer, hello.sender)
-                return False
-            events = self._receive(session, body, whole_frame=True)
-            # The events hold what they need (a batch's bodies): the frame's own
-            # bytes must not stay alive beside them while the queue is full.
-            del body
-            for event in events:
-                if not await self._on_event(peer, session, hello, event, writer, acks):
+            events = await self._read_body(peer, hello, conn, reader)
+            for event in events or ():
+                if not await self._on_event(peer, hello, event, acks):
                     return False
-        return True
+            return events is not None
 
-    async def _await_hello(
-        self,
-        peer: str,
-        session: PeerSession,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        acks: AckWriter,
-    ) -> Hello | None:
-        """Read frames one at a time under the pre-hello cap until the hello is
-        accepted; None once the peer is refused or gone.
-
-        Exactly one frame is read per step, never a byte beyond it, so frames an
-        accepted peer sends right after its hello meet the full cap, not this one.
-        """
-        while True:
-            body = await self._read_pre_hello_frame(peer, session, reader, writer)
-            if body is None:
-                return None
-            for event in self._receive(session, body, whole_frame=True):
-                if isinstance(event, Hello):
-                    await self._on_hello(peer, session, event, writer)
-                    return event
-                if not await self._on_event(peer, session, None, event, writer, acks):
-                    return None
-
-    async def _read_pre_hello_frame(
-        self, peer: str, session: PeerSession, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bytes | None:
-        """One whole frame's body; None at EOF or when it is over the pre-hello cap."""
-        # A hello-sized frame at most (traceml_wire); accepted peers get ``max_frame_bytes``.
-        cap = min(MAX_HELLO_FRAME_BYTES, self.config.max_frame_bytes)
+    async def _read_header(
+        self, peer: str, hello: conv.Hello | None, conn: conv.ServerConnection, reader: asyncio.StreamReader
+    ) -> list[conv.Event] | None:
+        """The next frame's header into the conversation; None at EOF. Exactly one frame
+        is read per step, never a byte beyond it, so the frame after an accepted hello
+        meets the full cap, not the pre-hello one."""
         try:
             header = await reader.readexactly(HEADER_BYTES)
-            declared = int.from_bytes(header, "big")
-            if declared <= cap:
-                return await reader.readexactly(declared)
         except asyncio.IncompleteReadError:
-            log.info("disconnect %s (before hello)", peer)
+            log.info("disconnect %s (%s)", peer, hello.sender if hello else "before hello")
             return None
-        self.counters.oversize_frames += 1
-        reason = f"frame of {declared} bytes before the hello exceeds the pre-hello cap of {cap} bytes"
-        # 0x16 0x03 opens a TLS ClientHello: a relay given a CA file talking to a plaintext daemon.
-        tls_hello = header[:2] == b"\x16\x03"
-        hint = " (a TLS client hello: this daemon serves plaintext, start it with --tls-cert)" if tls_hello else ""
-        log.warning("refused %s: %s%s", peer, reason, hint)
-        with contextlib.suppress(Exception):
-            writer.write(session.refuse(reason))
-            await writer.drain()
-        return None
+        return conn.receive_data(header)
 
-    def _receive(self, session: PeerSession, data: bytes, *, whole_frame: bool = False) -> list[Event]:
-        """``data`` through the session (``whole_frame``: one frame's body, already split
-        from the stream), counting the frames received."""
-        before = session.frames_received
-        events = session.receive_frame(data) if whole_frame else session.receive(data)
-        self.counters.frames_received += session.frames_received - before
+    async def _read_body(
+        self, peer: str, hello: conv.Hello | None, conn: conv.ServerConnection, reader: asyncio.StreamReader
+    ) -> list[conv.Event] | None:
+        """The body of the frame whose header is in, through the conversation; None at EOF.
+        The events hold what they need (a batch's bodies), the frame's bytes go here."""
+        declared = conn.next_frame_length
+        assert declared is not None
+        try:
+            body = await reader.readexactly(declared)
+        except asyncio.IncompleteReadError:
+            log.info("disconnect %s (%s) inside a frame", peer, hello.sender if hello else "before hello")
+            return None
+        before = conn.frames_received
+        events = conn.receive_data(body)
+        self.counters.frames_received += conn.frames_received - before
         return events
 
-    async def _on_hello(self, peer: str, session: PeerSession, hello: Hello, writer: asyncio.StreamWriter) -> None:
+    async def _await_hello(
+        self, peer: str, conn: conv.ServerConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> conv.Hello | None:
+        """Read the first frame under the pre-hello cap; accept it if it is a good hello.
+        None once the peer is refused or gone."""
+        events = await self._read_header(peer, None, conn, reader)
+        if events == []:
+            events = await self._read_body(peer, None, conn, reader)
+        if not events:
+            return None
+        (event,) = events  # the conversation reads nothing past a hello, good or bad
+        if isinstance(event, conv.BadHello):
+            if event.oversize:
+                self.counters.oversize_frames += 1
+            else:
+                self.counters.refused_peers += 1
+            log.warning("refused %s: %s%s", peer, event.reason, tls_hint(event.declared))
+            with contextlib.suppress(Exception):
+                writer.write(conn.send_refuse(event.reason))
+                await writer.drain()
+            return None
+        assert isinstance(event, conv.Hello)
         # An agent talking directly resumes after what is stored; relays keep
         # their own resend buffer and learn what is safe from acks.
-        last_seq = self.writer.ingestor.last_seq(hello.sender) if hello.role == messages.ROLE_AGENT else 0
+        last_seq = self.writer.ingestor.last_seq(event.sender) if event.role == messages.ROLE_AGENT else 0
         self.counters.connections += 1
-        log.info("connect %s role=%s sender=%s session=%s", peer, hello.role, hello.sender, hello.session)
-        writer.write(session.accept(last_seq))
+        log.info("connect %s role=%s sender=%s session=%s", peer, event.role, event.sender, event.session)
+        writer.write(conn.send_accept(last_seq))
         await writer.drain()
+        return event
 
-    async def _on_event(
-        self,
-        peer: str,
-        session: PeerSession,
-        hello: Hello | None,
-        event: Event,
-        writer: asyncio.StreamWriter,
-        acks: AckWriter,
-    ) -> bool:
-        """Act on one event; False once the connection must close."""
-        if isinstance(event, Batch):
-            assert hello is not None  # the session only yields batches after a hello
-            return await self._enqueue(hello, event, acks)
-        if isinstance(event, Refused):
-            self.counters.refused_peers += 1
-            log.warning("refused %s: %s", peer, event.reason)
-            writer.write(session.refuse(event.reason))
-            with contextlib.suppress(Exception):
-                await writer.drain()
-            return False
-        if isinstance(event, Failed):
+    async def _on_event(self, peer: str, hello: conv.Hello, event: conv.Event, acks: AckWriter) -> bool:
+        """Act on one event of an accepted peer; False once the connection must close."""
+        if isinstance(event, (conv.Batch, conv.RelayBatch)):
+            return await self._enqueue(hello, as_batch(hello, event), acks)
+        if isinstance(event, conv.ProtocolFailure):
             if event.oversize:
                 self.counters.oversize_frames += 1
             else:
                 self.counters.protocol_errors += 1
             log.warning("closing %s: %s", peer, event.reason)
-            return False
-        if isinstance(event, Closed):
-            log.info("bye %s (%s)", peer, hello.sender if hello else "?")
+        elif isinstance(event, conv.Bye):
+            log.info("bye %s (%s)", peer, hello.sender)
         return False
 
-    async def _enqueue(self, hello: Hello, batch: Batch, acks: AckWriter) -> bool:
+    async def _enqueue(self, hello: conv.Hello, batch: Batch, acks: AckWriter) -> bool:
         def done(ok: bool, seq: int = batch.seq) -> None:
             if ok:
                 acks.ack(seq)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 import struct
 from pathlib import Path
+from typing import Any
 
 from tests.support.procs import DaemonProcess, base_env, wait_for
 from tests.traceml_daemon.wire_client import (
@@ -17,8 +18,9 @@ from tests.traceml_daemon.wire_client import (
     peers_for,
     steps_body,
 )
-from traceml_daemon.net.peer import Batch, Failed, Hello, PeerSession, Refused, State
+from traceml_daemon.net.peer import as_batch, new_connection, tls_hint
 from traceml_wire import auth, messages
+from traceml_wire import conversation as conv
 from traceml_wire.framing import HEADER_BYTES, encode_frame
 
 
@@ -151,52 +153,89 @@ def test_kill9_and_restart_on_the_same_db_keeps_counts_exact(tmp_path: Path) -> 
     conn.close()
 
 
-# ------------------------------------------------- the sans-I/O state machine
+# --------------------------- the daemon's policy around the conversation
 
 
-def _hello_frame(session: PeerSession, token: str | None, role: str = messages.ROLE_RELAY) -> bytes:
-    mac = auth.hello_mac(token, session.nonce, role, RELAY)
-    return encode_frame(messages.hello(role=role, sender=RELAY, session="s1", identity={"node_rank": 2}, mac=mac))
+def _hello_frame(session: conv.ServerConnection, token: str | None, role: str = messages.ROLE_RELAY,
+                 sender: str = RELAY, identity: dict[str, Any] | None = None) -> bytes:
+    mac = auth.hello_mac(token, session.nonce, role, sender)
+    return encode_frame(messages.hello(role=role, sender=sender, session="s1",
+                                       identity=identity if identity is not None else {"node_rank": 2}, mac=mac))
+
+
+def _accepted(token: str | None, role: str = messages.ROLE_RELAY, sender: str = RELAY,
+              identity: dict[str, Any] | None = None, **kw: Any) -> tuple[conv.ServerConnection, conv.Hello]:
+    session = new_connection(token, **kw)
+    session.send_challenge()
+    (hello,) = session.receive_data(_hello_frame(session, token, role, sender, identity))
+    assert isinstance(hello, conv.Hello)
+    session.send_accept(0)
+    return session, hello
 
 
 def test_session_accepts_a_good_hello_then_batches_split_anywhere() -> None:
-    session = PeerSession("tok")
+    session = new_connection("tok")
+    session.send_challenge()
     a0 = agent_sender("s1", 0)
     stream = _hello_frame(session, "tok") + encode_frame(messages.relay_batch(1, [[a0, 1, b"x"]], {}, {}, {"d": 1}))
-    events = [e for i in range(len(stream)) for e in session.receive(stream[i : i + 1])]
-    assert isinstance(events[0], Hello) and events[0].identity == {"node_rank": 2}
-    assert isinstance(events[1], Batch) and events[1].items == [[a0, 1, b"x"]] and events[1].stats == {"d": 1}
-    assert session.state is State.OPEN
+    events = [e for i in range(len(stream)) for e in session.receive_data(stream[i : i + 1])]
+    assert len(events) == 1 and isinstance(events[0], conv.Hello) and events[0].identity == {"node_rank": 2}
+    session.send_accept(0)
+    (batch,) = session.receive_data(b"")  # the bytes behind the hello waited for the accept
+    assert isinstance(batch, conv.RelayBatch)
+    normal = as_batch(events[0], batch)
+    assert normal.items == [[a0, 1, b"x"]] and normal.stats == {"d": 1} and normal.seq == 1
+    assert session.state is conv.State.OPEN
 
 
-def test_session_takes_whole_frame_bodies_as_it_takes_the_stream() -> None:
-    """``receive_frame``: the daemon's path, one body it split from the stream itself."""
+def test_session_reads_header_then_body_as_the_daemon_does() -> None:
+    """The daemon's path: a header, the declared length reserved, then exactly the body."""
     a0 = agent_sender("s1", 0)
-    session = PeerSession("tok", max_frame_bytes=4096)
-    hello = _hello_frame(session, "tok")[HEADER_BYTES:]
-    rbatch = encode_frame(messages.relay_batch(1, [[a0, 1, b"x"]], {}, {}, {"d": 1}))[HEADER_BYTES:]
-    events = session.receive_frame(hello) + session.receive_frame(rbatch)
-    assert isinstance(events[0], Hello) and isinstance(events[1], Batch) and events[1].items == [[a0, 1, b"x"]]
-    assert session.frames_received == 2 and session.state is State.OPEN
-    over = session.receive_frame(b"\x80" * 4097)  # over the cap: refused like a stream's frame
-    assert len(over) == 1 and isinstance(over[0], Failed) and over[0].oversize
-    assert session.state is State.CLOSED and session.receive_frame(rbatch) == []
+    session, hello = _accepted("tok", max_frame_bytes=4096)
+    rbatch = encode_frame(messages.relay_batch(1, [[a0, 1, b"x"]], {}, {}, {"d": 1}))
+    assert session.receive_data(rbatch[:HEADER_BYTES]) == []
+    assert session.next_frame_length == len(rbatch) - HEADER_BYTES
+    (batch,) = session.receive_data(rbatch[HEADER_BYTES:])
+    assert isinstance(batch, conv.RelayBatch) and as_batch(hello, batch).items == [[a0, 1, b"x"]]
+    assert session.frames_received == 2 and session.state is conv.State.OPEN
+    (over,) = session.receive_data(struct.pack(">I", 4097))  # over the cap: refused from the header
+    assert isinstance(over, conv.ProtocolFailure) and over.oversize and over.declared == 4097
+    assert session.state is conv.State.FAILED and session.receive_data(rbatch) == []
 
 
 def test_session_refuses_a_wrong_mac_and_ignores_what_follows() -> None:
-    session = PeerSession("tok")
-    events = session.receive(_hello_frame(session, "other") + encode_frame(messages.bye()))
-    assert len(events) == 1 and isinstance(events[0], Refused) and "token" in events[0].reason
-    assert session.state is State.CLOSED
+    session = new_connection("tok")
+    session.send_challenge()
+    events = session.receive_data(_hello_frame(session, "other") + encode_frame(messages.bye()))
+    assert len(events) == 1 and isinstance(events[0], conv.BadHello) and "token" in events[0].reason
+    assert session.state is conv.State.MUST_REFUSE
+    session.send_refuse(events[0].reason)
+    assert session.state is conv.State.CLOSED
 
 
 def test_session_unknown_type_after_hello_fails_that_peer() -> None:
-    session = PeerSession(None)
-    events = session.receive(_hello_frame(session, None) + encode_frame({"t": "mystery"}))
-    assert isinstance(events[-1], Failed) and not events[-1].oversize
+    session, _ = _accepted(None)
+    events = session.receive_data(encode_frame({"t": "mystery"}))
+    assert isinstance(events[-1], conv.ProtocolFailure) and not events[-1].oversize
 
 
 def test_session_relay_may_not_send_agent_batches() -> None:
-    session = PeerSession(None)
-    events = session.receive(_hello_frame(session, None) + encode_frame(messages.batch(1, b"x")))
-    assert isinstance(events[-1], Failed)
+    session, _ = _accepted(None)
+    events = session.receive_data(encode_frame(messages.batch(1, b"x")))
+    assert isinstance(events[-1], conv.ProtocolFailure)
+
+
+def test_an_agent_batch_becomes_a_one_item_rbatch_of_its_own() -> None:
+    a0 = agent_sender("s1", 0)
+    identity = {"global_rank": 0, "node_rank": 1, "hostname": "h1", "world_size": 2}
+    session, hello = _accepted("tok", messages.ROLE_AGENT, a0, identity)
+    (event,) = session.receive_data(encode_frame(messages.batch(4, b"body")))
+    assert isinstance(event, conv.Batch)
+    normal = as_batch(hello, event)
+    assert (normal.seq, normal.items, normal.peers) == (4, [[a0, 4, b"body"]], {a0: identity})
+    assert normal.node == {"node_rank": 1, "hostname": "h1"} and normal.stats == {}
+
+
+def test_the_tls_hint_names_a_client_hello_only() -> None:
+    assert "TLS" in tls_hint(int.from_bytes(b"\x16\x03\x01\x02", "big"))
+    assert tls_hint(1 << 20) == "" and tls_hint(None) == ""

@@ -1,0 +1,153 @@
+"""The agent's connection to its relay: a blocking socket under the conversation.
+
+``traceml_wire.conversation.ClientConnection`` holds the whole conversation
+(challenge, hello, accept with the relay's proof of the token, acks, bye);
+this is only its I/O: a socket with timeouts on the sender thread (no asyncio
+in the training process).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from traceml_wire import conversation, messages
+from traceml_wire.conversation import ClientConnection, State
+from traceml_wire.errors import ProtocolError
+
+CONNECT_TIMEOUT_S = 1.0  # loopback: a healthy relay answers in microseconds
+IO_TIMEOUT_S = 2.0
+
+
+class Refused(Exception):
+    """The relay answered the hello with refuse."""
+
+
+class Unverified(Exception):
+    """What answered on the relay port could not prove it holds the token."""
+
+
+class Cancelled(TimeoutError):
+    """A handshake given up because the sender is stopping (not a relay fault)."""
+
+
+@dataclass(frozen=True)
+class HelloInfo:
+    sender: str
+    session: str
+    identity: dict[str, Any]
+
+
+class Link:
+    """One authenticated connection to the relay: a blocking socket under a
+    ``ClientConnection``, which holds the whole conversation."""
+
+    def __init__(self, sock: socket.socket, conn: ClientConnection, cancel: Callable[[], bool]) -> None:
+        self.sock = sock
+        self.conn = conn
+        self._cancel = cancel
+        self.io_timeout = IO_TIMEOUT_S
+
+    @classmethod
+    def open(
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        hello: HelloInfo,
+        timeout: float,
+        cancel: Callable[[], bool] = lambda: False,
+    ) -> tuple[Link, int]:
+        """Connect and run the handshake; return the link and accept.last_seq.
+
+        ``cancel`` is polled while waiting, so shutdown is never stuck behind
+        a relay that accepted the TCP connection but does not answer.
+        """
+        sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
+        link = cls(sock, ClientConnection(token), cancel)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            deadline = time.monotonic() + timeout
+            while True:
+                for event in link._events(deadline):
+                    if isinstance(event, conversation.Challenge):
+                        link.send(link.conn.send_hello(role=messages.ROLE_AGENT, sender=hello.sender,
+                                                       session=hello.session, identity=hello.identity))
+                    elif isinstance(event, conversation.Accepted):
+                        return link, event.last_seq  # nothing follows an accept until we send
+                    else:
+                        link._fail(event)
+        except BaseException:
+            link.close(bye=False)
+            raise
+
+    def _events(self, deadline: float) -> list[conversation.Event]:
+        """The next server events, waiting at most until ``deadline``."""
+        while True:
+            if self._cancel():
+                raise Cancelled("sender stopping")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("relay did not answer in time")
+            self.sock.settimeout(min(remaining, 0.05))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                raise ConnectionError("relay closed the connection")
+            events = self.conn.receive_data(data)
+            if events:
+                return events
+
+    @staticmethod
+    def _fail(event: conversation.Event) -> None:
+        if isinstance(event, conversation.Refused):
+            raise Refused(event.reason)
+        if isinstance(event, conversation.Unverified):
+            raise Unverified(event.reason)
+        raise ProtocolError(getattr(event, "reason", f"unexpected {type(event).__name__}"))
+
+    def send(self, frame: bytes) -> None:
+        self.sock.settimeout(self.io_timeout)
+        self.sock.sendall(frame)
+
+    def read_acks(self, wait: float) -> int:
+        """Highest ack that arrived within ``wait`` seconds (0 if none).
+
+        Raises ConnectionError when the relay closed or refused mid-stream.
+        """
+        best = 0
+        deadline = time.monotonic() + wait
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self.sock], [], [], remaining)
+            if not readable:
+                return best
+            self.sock.settimeout(self.io_timeout)
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("relay closed the connection")
+            for event in self.conn.receive_data(data):
+                if not isinstance(event, conversation.Ack):
+                    self._fail(event)
+                best = max(best, event.seq)
+            if best and time.monotonic() >= deadline:
+                return best
+
+    def close(self, bye: bool) -> None:
+        if bye and self.conn.state is State.OPEN:
+            try:
+                self.sock.settimeout(0.2)
+                self.sock.sendall(self.conn.send_bye())
+            except OSError:
+                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
