@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from traceml_wire import conversation, messages
 from traceml_wire.conversation import ClientConnection, State
@@ -106,7 +106,7 @@ class Link:
                 return events
 
     @staticmethod
-    def _fail(event: conversation.Event) -> None:
+    def _fail(event: conversation.Event) -> NoReturn:
         if isinstance(event, conversation.Refused):
             raise Refused(event.reason)
         if isinstance(event, conversation.Unverified):
@@ -120,7 +120,8 @@ class Link:
     def read_acks(self, wait: float) -> int:
         """Highest ack that arrived within ``wait`` seconds (0 if none).
 
-        Raises ConnectionError when the relay closed or refused mid-stream.
+        Raises ConnectionError when the relay closed, Refused when it refused and
+        ProtocolError when it broke the protocol mid-stream.
         """
         best = 0
         deadline = time.monotonic() + wait

@@ -22,7 +22,7 @@ import ssl
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from relay._frames import Wire
 from relay.backoff import Backoff
@@ -354,7 +354,7 @@ class Upstream:
                     self._fail(event)
 
     @staticmethod
-    def _fail(event: conv.Event) -> None:
+    def _fail(event: conv.Event) -> NoReturn:
         if isinstance(event, conv.Refused):
             raise DaemonRefused(event.reason)
         if isinstance(event, conv.Unverified):

@@ -461,12 +461,12 @@ class ClientConnection(_Connection):
             proof = message.get("proof")
             if proof is None:
                 self.state = State.FAILED
-                return Unverified("the server did not prove it holds the token (its accept has no proof)")
+                return Unverified("its accept carries no proof")
             if not auth.verify_accept_proof(
                 self._token, self.cnonce, self._snonce, self.role, self.sender, last_seq, proof
             ):
                 self.state = State.FAILED
-                return Unverified("the server's proof of the token does not verify")
+                return Unverified("its proof does not verify")
         self.state = State.OPEN
         self.last_seq = last_seq = max(0, last_seq)
         self._sent_seq = last_seq

@@ -337,6 +337,10 @@ def client_in(state: State) -> ClientConnection:
         return client
     client.receive_data(_raw(messages.accept(0)))
     client.send_batch(1, b"x")
+    if state is State.CLOSED:
+        client.send_bye()
+    elif state is State.FAILED:
+        client.receive_data(_raw(messages.ack(9)))  # never sent
     assert client.state is state
     return client
 
@@ -374,14 +378,18 @@ def _server_in(state: State) -> ServerConnection:
     client.receive_data(server.send_challenge())
     if state is State.AWAIT_HELLO:
         return server
+    if state is State.MUST_REFUSE:
+        server.receive_data(encode_frame(messages.bye()))
+        assert server.state is state
+        return server
     server.receive_data(hello_bytes(client))
     if state is State.DECIDE:
         return server
     client.receive_data(server.send_accept(0))
     if state is State.OPEN:
         return server
-    server.receive_data(client.send_bye())
-    assert server.state is State.CLOSED
+    server.receive_data(client.send_bye() if state is State.CLOSED else encode_frame({"t": "teleport"}))
+    assert server.state is state
     return server
 
 
@@ -395,8 +403,10 @@ SERVER_LEGAL = {
     State.SEND_CHALLENGE: {"challenge", "refuse"},
     State.AWAIT_HELLO: {"refuse"},
     State.DECIDE: {"accept", "refuse"},
+    State.MUST_REFUSE: {"refuse"},
     State.OPEN: set(),  # ack is legal here once a batch arrived (below)
     State.CLOSED: set(),
+    State.FAILED: set(),
 }
 
 
@@ -436,6 +446,8 @@ CLIENT_LEGAL = {
     State.SEND_HELLO: {"hello"},
     State.AWAIT_ACCEPT: set(),
     State.OPEN: {"batch", "encoded", "bye"},  # an agent's connection: no rbatch
+    State.CLOSED: set(),
+    State.FAILED: set(),
 }
 
 
@@ -448,6 +460,14 @@ def test_client_sends_only_what_its_state_allows(state: State, send: str) -> Non
     else:
         with pytest.raises(LocalProtocolError):
             CLIENT_SENDS[send](client)
+
+
+@pytest.mark.parametrize("state", [State.CLOSED, State.FAILED])
+def test_nothing_is_read_once_a_connection_is_over(state: State) -> None:
+    client = client_in(state)
+    assert client.receive_data(_raw(messages.ack(1)) + _raw(messages.refuse("late"))) == []
+    server = _server_in(state)
+    assert server.receive_data(encode_frame(messages.batch(5, b"late"))) == []
 
 
 def test_client_seqs_rise_and_nothing_follows_bye() -> None:

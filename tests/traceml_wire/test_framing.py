@@ -174,3 +174,43 @@ def test_oversize_never_buffers_body(declared: int, tail: bytes) -> None:
     with pytest.raises(FrameTooLarge):
         dec.feed(struct.pack(">I", declared) + tail)
     assert dec.buffered_bytes == 0
+
+
+def test_next_frame_one_at_a_time_lets_the_cap_change_between_frames() -> None:
+    dec = FrameDecoder(max_frame_bytes=8)
+    dec.append(struct.pack(">I", 3) + b"abc" + struct.pack(">I", 20) + b"x" * 20)
+    assert dec.next_frame() == b"abc"
+    dec.max_frame_bytes = 32  # what a server does once it accepted the peer
+    assert dec.next_frame() == b"x" * 20 and dec.next_frame() is None
+
+
+def test_declared_length_is_known_once_the_header_is_in() -> None:
+    dec = FrameDecoder()
+    frame = encode_frame({"t": "x", "pad": b"p" * 100})
+    dec.append(frame[:3])
+    assert dec.next_frame() is None and dec.next_frame_length is None and dec.in_frame
+    dec.append(frame[3:HEADER_BYTES])
+    assert dec.next_frame() is None and dec.next_frame_length == len(frame) - HEADER_BYTES
+    assert dec.in_frame and dec.buffered_bytes == 0
+    body = frame[HEADER_BYTES:]
+    dec.append(body)
+    assert dec.next_frame() is body  # a chunk that is exactly the body is not copied
+    assert dec.next_frame_length is None and not dec.in_frame
+
+
+def test_appended_bytearrays_are_copied_before_the_caller_can_change_them() -> None:
+    dec = FrameDecoder()
+    chunk = bytearray(encode_frame({"t": "a"}))
+    dec.append(chunk)
+    expected = bytes(chunk[HEADER_BYTES:])
+    chunk[-1:] = b"z"
+    assert dec.next_frame() == expected
+
+
+def test_append_after_an_error_raises_it_again() -> None:
+    dec = FrameDecoder(max_frame_bytes=4)
+    dec.append(struct.pack(">I", 5))
+    with pytest.raises(FrameTooLarge):
+        dec.next_frame()
+    with pytest.raises(FrameTooLarge):
+        dec.append(b"x")
