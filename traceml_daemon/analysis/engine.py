@@ -9,6 +9,7 @@ from __future__ import annotations
 from traceml_daemon.analysis.liveness import liveness_verdicts
 from traceml_daemon.analysis.memory import memory_verdicts
 from traceml_daemon.analysis.model import RunData, Verdict
+from traceml_daemon.analysis.numerics import nonfinite_verdicts
 from traceml_daemon.analysis.policy import DEFAULT_POLICY, Policy
 from traceml_daemon.analysis.report import format_verdicts, sort_verdicts
 from traceml_daemon.analysis.steps import bound_verdicts, check_data
@@ -30,6 +31,7 @@ def diagnose(run: RunData, policy: Policy | None = None) -> list[Verdict]:
     # Liveness and host/GPU samples do not need step history: a hang at step 3 still counts.
     out += liveness_verdicts(run, policy.liveness)
     out += system_verdicts(run.systems, policy.system)
+    out += nonfinite_verdicts(run.nonfinite, policy.numerics)
     if check.enough_steps:
         eligible = [p for p in profs if p.n_window >= sp.min_steps]
         nodes = node_excesses(eligible, policy.stragglers)

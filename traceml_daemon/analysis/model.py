@@ -64,6 +64,16 @@ class NodeSystem:
     gpu_mem_total_bytes: dict[int, int | None] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NonFinite:
+    """The first step at which one rank's logged scalar was NaN or infinite."""
+
+    global_rank: int
+    name: str
+    step: int
+    value: float  # nan, inf or -inf
+
+
 @dataclass
 class RunData:
     ranks: list[RankData]
@@ -71,6 +81,7 @@ class RunData:
     now: float | None = None  # wall clock "now" for live checks; None for a finished run
     live: bool = False  # True when diagnosing a run in progress (enables HANG/RANK_STALLED)
     systems: list[NodeSystem] = field(default_factory=list)
+    nonfinite: list[NonFinite] = field(default_factory=list)  # first non-finite scalar per rank and name
 
 
 @dataclass

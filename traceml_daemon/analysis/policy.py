@@ -84,6 +84,11 @@ class ComparePolicy:
 
 
 @dataclass(frozen=True)
+class NumericsPolicy:
+    max_ranks_listed: int = 16  # ranks that went non-finite after the first, in the evidence
+
+
+@dataclass(frozen=True)
 class Policy:
     steps: StepPolicy = field(default_factory=StepPolicy)
     stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)
@@ -91,6 +96,7 @@ class Policy:
     system: SystemPolicy = field(default_factory=SystemPolicy)
     liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
     compare: ComparePolicy = field(default_factory=ComparePolicy)
+    numerics: NumericsPolicy = field(default_factory=NumericsPolicy)
 
 
 DEFAULT_POLICY = Policy()
