@@ -14,23 +14,11 @@ from typing import Any
 from traceml_daemon.analysis.engine import diagnose
 from traceml_daemon.analysis.model import PHASES, RunData, Verdict
 from traceml_daemon.analysis.policy import DEFAULT_POLICY, ComparePolicy, Policy
+from traceml_daemon.analysis.scalars import split_key
 from traceml_daemon.analysis.stats import median, round_ms
 from traceml_daemon.analysis.window import profiles
 
-_SEP = "@"
 _MAX_ULP = 2**64  # one side NaN, the other not: as far apart as it gets
-
-
-def scalar_key(name: str, rank: int | None) -> str:
-    """'loss@0' for rank 0; the rank goes last so names may hold '@' or '/'."""
-    return name if rank is None else f"{name}{_SEP}{rank}"
-
-
-def split_key(key: str) -> tuple[str, int | None]:
-    name, sep, rank = key.rpartition(_SEP)
-    if sep and rank.lstrip("-").isdigit():
-        return name, int(rank)
-    return key, None
 
 
 def _ordered(x: float) -> int:

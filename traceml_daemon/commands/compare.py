@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from traceml_daemon.analysis.diff import compare_runs, format_compare, scalar_key
+from traceml_daemon.analysis.diff import compare_runs, format_compare
 from traceml_daemon.analysis.model import PHASES, RankData, RunData
+from traceml_daemon.analysis.scalars import first_nonfinite, scalar_key
 from traceml_daemon.store.gc_pause import gc_paused
 from traceml_daemon.store.schema import RANK_GROUP
 
@@ -113,7 +114,7 @@ def _load(con: sqlite3.Connection, path: str) -> tuple[RunData, Scalars]:
         (session, attempt),
     ):
         scalars.setdefault(scalar_key(name, global_rank), []).append((step, float(value)))
-    return RunData(ranks=list(ranks.values()), parallelism=parallelism), scalars
+    return RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars)), scalars
 
 
 def _parallelism(con: sqlite3.Connection, session: str, attempt: int, hello: str) -> str:

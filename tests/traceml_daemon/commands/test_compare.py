@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from traceml_daemon.analysis.diff import compare_runs, format_compare, scalar_key, split_key, ulp_distance
+from traceml_daemon.analysis.diff import compare_runs, format_compare, ulp_distance
 from traceml_daemon.analysis.model import RunData
+from traceml_daemon.analysis.scalars import scalar_key, split_key
 from traceml_daemon.commands.compare import load_run, main
 from traceml_daemon.store.schema import MIGRATIONS
 
