@@ -52,6 +52,17 @@ class Ring:
     def values(self) -> array[Any]:
         return self._buf[-self.maxlen :]
 
+    def median(self) -> float | None:
+        """The median of the kept values (statistics.median's), None when there are none."""
+        buf, m = self._buf, self.maxlen
+        n = len(buf)
+        if not n:
+            return None
+        xs = sorted(buf[n - m :] if n > m else buf)
+        n = len(xs)
+        mid = n // 2
+        return xs[mid] if n % 2 else (xs[mid - 1] + xs[mid]) / 2
+
     def __len__(self) -> int:
         return min(len(self._buf), self.maxlen)
 

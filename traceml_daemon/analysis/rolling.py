@@ -124,7 +124,9 @@ class RankWindow:
         if comm and not self.wait_measured:
             self.wait_measured = any(v is not None for v in comm)
 
-    def add(self, cols: dict[str, list[Any]]) -> None:
+    def add(self, cols: dict[str, Sequence[Any]]) -> None:
+        """Fold named step columns in now: ``fold`` calls it with the pushed batches, and a
+        reader that already holds its rows (the TUI) calls it directly."""
         steps = cols.get("step") or []
         if not steps:
             return
@@ -153,9 +155,9 @@ class RankWindow:
         """(step, phases, busy) medians in ms; busy is the step's where wait is not measured."""
         self.fold()
         if self.dirty or self._cached is None:
-            step = _median_ms(self.step_ns)
-            busy = _median_ms(self.busy_ns) if self.wait_measured else step
-            self._cached = (step, {p: _median_ms(v) for p, v in self.phases_ns.items()}, busy)
+            step = _ms(self.step_ns.median())
+            busy = _ms(self.busy_ns.median()) if self.wait_measured else step
+            self._cached = (step, {p: _ms(v.median()) for p, v in self.phases_ns.items()}, busy)
             self.dirty = False
         return self._cached
 
@@ -163,12 +165,5 @@ class RankWindow:
 _PHASE_COLUMNS = tuple((p, f"{p}_ns") for p in PHASES)
 
 
-def _median_ms(values: Ring) -> float | None:
-    # statistics.median's arithmetic without its per-call overhead: the TUI asks for
-    # seven medians of every rank that moved, on each refresh.
-    xs = sorted(values.values())
-    n = len(xs)
-    if not n:
-        return None
-    mid = n // 2
-    return (xs[mid] if n % 2 else (xs[mid - 1] + xs[mid]) / 2) / 1e6
+def _ms(ns: float | None) -> float | None:
+    return None if ns is None else ns / 1e6

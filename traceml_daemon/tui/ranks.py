@@ -60,8 +60,7 @@ class LiveRank:
         """Steps read from the database (``STEP_COLS`` rows), oldest first."""
         if not rows:
             return
-        # A RankWindow takes batches in the wire's column order, which ends with model_id.
-        self.window.push_batches([(*zip(*rows, strict=True), (None,) * len(rows))])
+        self.window.add(dict(zip(STEP_COLS, zip(*rows, strict=True), strict=True)))
         for row in rows:
             step = row[0]
             if step is None:
