@@ -22,7 +22,9 @@ bug in the shell). What the peer does wrong comes back as an event and ends
 this connection, never the process.
 
 Frame caps per state: a server reads frames of at most ``MAX_HELLO_FRAME_BYTES``
-until it accepted the hello, then ``max_frame_bytes``. Once a hello arrived the
+until it accepted the hello, then ``max_frame_bytes``; what a frame may decode
+into (``framing.DecodeLimits``) is sized the same way: small for a hello and
+for everything a server says, for a batch or an rbatch by the peer's role. Once a hello arrived the
 server reads nothing more until the shell accepted or refused it; bytes the
 peer sent behind its hello wait in the decoder, and the shell calls
 ``receive_data(b"")`` after ``send_accept`` to take them.
@@ -45,8 +47,12 @@ from traceml_wire.errors import FrameTooLarge, ProtocolError
 from traceml_wire.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HELLO_FRAME_BYTES,
+    SMALL_MESSAGE_LIMITS,
+    DecodeLimits,
     FrameDecoder,
+    batch_limits,
     encode_frame,
+    rbatch_limits,
     unpack_message,
 )
 
@@ -214,13 +220,17 @@ class _Connection:
                 break
             self.frames_received += 1
             try:
-                events.append(self._on_message(unpack_message(body), len(body)))
+                events.append(self._on_message(unpack_message(body, self._decode_limits()), len(body)))
             except ProtocolError as exc:
                 events.append(self._broken(str(exc)))
         return events
 
     def _oversize_reason(self, exc: FrameTooLarge) -> str:
         return str(exc)
+
+    def _decode_limits(self) -> DecodeLimits:
+        """What the next frame may decode into (every server message is small)."""
+        return SMALL_MESSAGE_LIMITS
 
     def _broken(self, reason: str, *, oversize: bool = False, declared: int | None = None) -> Event:
         self.state = State.FAILED
@@ -250,6 +260,8 @@ class ServerConnection(_Connection):
         self._token = token
         self.roles = roles
         self.max_frame_bytes = max_frame_bytes
+        self._batch_limits = batch_limits(max_frame_bytes)
+        self._rbatch_limits = rbatch_limits(max_frame_bytes)
         self.nonce = nonce if nonce is not None else auth.new_nonce()
         self.hello: Hello | None = None
         self._cnonce: bytes | None = None
@@ -296,6 +308,14 @@ class ServerConnection(_Connection):
         return encode_frame(messages.ack(seq))
 
     # ------------------------------------------------------------ inbound
+
+    def _decode_limits(self) -> DecodeLimits:
+        """A hello is small; an accepted peer's frames are sized for its role."""
+        if self.hello is None:
+            return SMALL_MESSAGE_LIMITS
+        if self.hello.role == messages.ROLE_RELAY:
+            return self._rbatch_limits
+        return self._batch_limits
 
     def _oversize_reason(self, exc: FrameTooLarge) -> str:
         if self.state is State.AWAIT_HELLO:

@@ -4,11 +4,16 @@ A frame is a 4-byte big-endian unsigned length followed by that many bytes of
 one msgpack map. The decoder is fed arbitrary splits of the byte stream and
 yields whole frame bodies; it refuses a declared length over the cap as soon
 as the header is complete, so an attacker cannot make it buffer 4 GiB.
+
+A body's decoded size is bounded too (``DecodeLimits``, one per frame kind):
+a byte of msgpack can become a Python object of some sixty bytes, so a frame
+of empty arrays would otherwise expand to dozens of times its length.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -38,6 +43,66 @@ MAX_AGENT_FRAME_BYTES = MAX_AGENT_BODY_BYTES + BATCH_OVERHEAD_BYTES
 # could make a server buffer 16 GiB inside the hello timeout.
 MAX_HELLO_FRAME_BYTES = 64 * 1024
 _HEADER = struct.Struct(">I")
+# The most agent batches a relay packs into one rbatch: the daemon's decode limits for
+# rbatches are sized on it (an item costs a few decoded objects, whatever its body).
+MAX_RBATCH_ITEMS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """What one frame body may decode into. msgpack refuses a string, bin, array or
+    map longer than its cap from the length in its header; ``max_entries`` (the
+    entries of every array and map together) and ``max_depth`` (nesting) are
+    counted as containers complete, so decoding stops once either is passed."""
+
+    max_str_len: int
+    max_bin_len: int
+    max_array_len: int
+    max_map_len: int
+    max_entries: int
+    max_depth: int
+    max_ext_len: int = 64
+
+
+# Every message but the batches is a small map of scalars, with an identity map in a
+# hello; the room above that is for additive fields.
+SMALL_MESSAGE_LIMITS = DecodeLimits(
+    max_str_len=MAX_HELLO_FRAME_BYTES,
+    max_bin_len=1024,
+    max_array_len=256,
+    max_map_len=256,
+    max_entries=4096,
+    max_depth=32,
+)
+
+
+def batch_limits(max_frame_bytes: int) -> DecodeLimits:
+    """An agent's ``batch``: its body is one bin (opaque here), the rest is small."""
+    return DecodeLimits(
+        max_str_len=MAX_HELLO_FRAME_BYTES,
+        max_bin_len=max_frame_bytes,
+        max_array_len=256,
+        max_map_len=256,
+        max_entries=4096,
+        max_depth=32,
+    )
+
+
+def rbatch_limits(max_frame_bytes: int) -> DecodeLimits:
+    """A relay's ``rbatch``: up to MAX_RBATCH_ITEMS items of three fields and as many
+    peers, each with an identity map of a few dozen fields at most."""
+    return DecodeLimits(
+        max_str_len=MAX_HELLO_FRAME_BYTES,
+        max_bin_len=max_frame_bytes,
+        max_array_len=MAX_RBATCH_ITEMS,
+        max_map_len=MAX_RBATCH_ITEMS,
+        max_entries=64 * MAX_RBATCH_ITEMS,
+        max_depth=32,
+    )
+
+
+# Any frame a peer may send under the default cap; for callers that do not know the kind.
+ANY_FRAME_LIMITS = rbatch_limits(DEFAULT_MAX_FRAME_BYTES)
 
 
 def pack_message(message: dict[str, Any]) -> bytes:
@@ -51,14 +116,71 @@ def encode_frame(message: dict[str, Any] | bytes) -> bytes:
     return _HEADER.pack(len(body)) + bytes(body)
 
 
-def unpack_message(body: bytes) -> dict[str, Any]:
-    """Decode one frame body into a message map with a string type field ``t``.
+class _Tally:
+    """Counts a body's entries and nesting while msgpack builds it; raises once a
+    limit is passed, which ends the decode there. Containers complete inside out,
+    so a container's depth is one more than the deepest of its children, whose
+    depths were noted when they completed."""
+
+    __slots__ = ("_limits", "_entries", "_depths")
+
+    def __init__(self, limits: DecodeLimits) -> None:
+        self._limits = limits
+        self._entries = 0
+        self._depths: dict[int, int] = {}
+
+    def _count(self, container: object, children: Any) -> None:
+        self._entries += len(children)
+        if self._entries > self._limits.max_entries:
+            raise ProtocolError(f"frame body holds more than {self._limits.max_entries} entries")
+        depth = 1
+        for child in children:
+            if type(child) is list or type(child) is dict:
+                below = self._depths.pop(id(child), 1) + 1
+                if below > depth:
+                    depth = below
+        if depth > self._limits.max_depth:
+            raise ProtocolError(f"frame body nests deeper than {self._limits.max_depth} levels")
+        self._depths[id(container)] = depth
+
+    def on_list(self, value: list[Any]) -> list[Any]:
+        self._count(value, value)
+        return value
+
+    def on_map(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        self._count(value, value.values())
+        return value
+
+
+def unpack_message(body: bytes, limits: DecodeLimits = ANY_FRAME_LIMITS) -> dict[str, Any]:
+    """Decode one frame body into a message map with a string type field ``t``,
+    within ``limits`` (sized for the kind of frame the caller expects).
 
     Raises ProtocolError for anything else: garbage, trailing bytes, a non-map,
-    a map without a string ``t``.
+    a map without a string ``t``, a body over its limits.
     """
+    tally = _Tally(limits)
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        message = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=limits.max_ext_len,
+            list_hook=tally.on_list,
+            object_hook=tally.on_map,
+        )
+    except ProtocolError:
+        raise
+    except ValueError as exc:
+        # msgpack's own caps say "N exceeds max_array_len(M)": our numbers, safe to repeat.
+        text = str(exc)
+        if " exceeds max_" in text:
+            raise ProtocolError(f"frame body over its decode limits: {text}") from None
+        raise ProtocolError(f"frame body is not valid msgpack: {exc.__class__.__name__}") from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"frame body is not valid msgpack: {exc.__class__.__name__}") from None
     if not isinstance(message, dict):

@@ -596,3 +596,42 @@ def test_every_message_kind_round_trips_through_pack() -> None:
     # The conversation frames exactly what messages builds (the wire stays compatible).
     _, client = open_pair()
     assert client.send_batch(1, b"x") == encode_frame(pack_message(messages.batch(1, b"x")))
+
+
+# ------------------------------------------------------------- decode limits
+
+
+def _flood(n: int) -> bytes:
+    """An array of ``n`` empty arrays, packed: the cheapest bytes to expand."""
+    return b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+
+
+def test_each_state_decodes_within_the_limits_of_its_frame_kind() -> None:
+    # Before the accept: a hello-sized frame may not hold more than a hello's worth of entries.
+    server, client = server_for(), ClientConnection(TOKEN)
+    client.receive_data(server.send_challenge())
+    flood = b"\x82" + pack_message("t") + pack_message("hello") + pack_message("pad") + _flood(20_000)
+    (event,) = server.receive_data(encode_frame(flood))
+    assert isinstance(event, BadHello) and "decode limits" in event.reason
+    # An accepted agent: a batch is a bin and a few fields; an array of thousands is refused ...
+    server, client = open_pair(messages.ROLE_AGENT)
+    wide = {"t": "batch", "seq": 1, "body": b"x", "pad": [0] * 1000}
+    (event,) = server.receive_data(encode_frame(wide))
+    assert isinstance(event, ProtocolFailure) and "max_array_len" in event.reason
+    # ... while a relay's rbatch may carry thousands of items, each a decoded object or four.
+    server, client = open_pair(messages.ROLE_RELAY)
+    items = [[AGENT, seq, b"b"] for seq in range(1, 3001)]
+    (event,) = server.receive_data(client.send_rbatch(1, items, {AGENT: IDENTITY}, {}, {}))
+    assert isinstance(event, RelayBatch) and len(event.items) == 3000
+    # ... but not millions of empty arrays, however they are nested.
+    flood = b"\x83" + b"".join(pack_message(v) for v in ("t", "rbatch", "seq", 2, "items"))
+    flood += b"\xdc\x04\x00" + (b"\xdc\x10\x00" + b"\x90" * 4096) * 1024
+    (event,) = server.receive_data(encode_frame(flood))
+    assert isinstance(event, ProtocolFailure) and "entries" in event.reason and server.state is State.FAILED
+
+
+def test_a_client_decodes_server_messages_as_the_small_messages_they_are() -> None:
+    client = ClientConnection(TOKEN)
+    flood = b"\x83" + b"".join(pack_message(v) for v in ("t", "challenge", "nonce", b"n" * 16, "pad")) + _flood(5000)
+    (event,) = client.receive_data(encode_frame(flood))
+    assert isinstance(event, ProtocolFailure) and "decode limits" in event.reason

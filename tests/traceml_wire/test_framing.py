@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+import tracemalloc
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +20,12 @@ from traceml_wire import (
     encode_frame,
     pack_message,
     unpack_message,
+)
+from traceml_wire.framing import (
+    MAX_RBATCH_ITEMS,
+    SMALL_MESSAGE_LIMITS,
+    batch_limits,
+    rbatch_limits,
 )
 
 # Message maps as peers send them: a string type plus arbitrary msgpack-able fields.
@@ -214,3 +223,79 @@ def test_append_after_an_error_raises_it_again() -> None:
         dec.next_frame()
     with pytest.raises(FrameTooLarge):
         dec.append(b"x")
+
+
+# ------------------------------------------------------------ decode limits
+
+
+def _raw_map(*pairs: tuple[str, bytes]) -> bytes:
+    """A msgpack map whose values are given already packed (to build bodies no packer makes)."""
+    out = bytearray(b"\xde" + len(pairs).to_bytes(2, "big"))
+    for key, packed in pairs:
+        out += msgpack.packb(key) + packed
+    return bytes(out)
+
+
+FOUR_MIB = 4 * 1024 * 1024
+
+
+def empty_arrays_flat(n: int = FOUR_MIB) -> bytes:
+    """An rbatch-looking map whose items are ``n`` empty arrays in one array."""
+    return _raw_map(("t", msgpack.packb("rbatch")), ("seq", msgpack.packb(1)),
+                    ("items", b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n))
+
+
+def empty_arrays_nested(outer: int = 1024, inner: int = 4096) -> bytes:
+    """The same bytes as arrays of at most ``inner`` entries: every array within its cap."""
+    chunk = b"\xdc" + inner.to_bytes(2, "big") + b"\x90" * inner
+    return _raw_map(("t", msgpack.packb("rbatch")), ("seq", msgpack.packb(1)),
+                    ("items", b"\xdc" + outer.to_bytes(2, "big") + chunk * outer))
+
+
+def nested_deep(depth: int = 1000) -> bytes:
+    return _raw_map(("t", msgpack.packb("rbatch")), ("x", b"\x91" * depth + b"\x90"))
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [(empty_arrays_flat(), "max_array_len"), (empty_arrays_nested(), "entries"), (nested_deep(), "nests deeper")],
+    ids=["flat", "nested", "deep"],
+)
+def test_a_frame_that_would_expand_is_refused_before_it_does(body: bytes, reason: str) -> None:
+    assert len(body) >= FOUR_MIB or reason == "nests deeper"
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match=reason):
+            unpack_message(body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Unbounded, four million empty lists take hundreds of MB; stopped at the limit, a few dozen.
+    assert peak < 40 * 1024 * 1024
+
+
+def test_every_frame_kind_has_room_for_what_its_peers_legitimately_send() -> None:
+    from traceml_wire import messages as wm
+
+    identity = {k: 2**62 for k in wm.IDENTITY_INT_FIELDS} | {k: "h" * 256 for k in wm.IDENTITY_STR_FIELDS}
+    senders = [f"s/a0/n0/r{i}/1-abcdef" for i in range(MAX_RBATCH_ITEMS)]
+    rbatch = wm.relay_batch(1, [[s, 1, b"b" * 64] for s in senders], {s: dict(identity) for s in senders},
+                            dict(identity), {"x": 1} | {f"c{i}": i for i in range(40)}, sender="relay/x")
+    assert len(unpack_message(pack_message(rbatch), rbatch_limits(DEFAULT_MAX_FRAME_BYTES))["items"]) == len(senders)
+    batch = wm.batch(1, b"b" * (DEFAULT_MAX_FRAME_BYTES - 1024))
+    assert unpack_message(pack_message(batch), batch_limits(DEFAULT_MAX_FRAME_BYTES))["seq"] == 1
+    hello = wm.hello(role="agent", sender="a" * 200, session="s" * 1000, identity={**identity, "future": [1, {"a": 2}]},
+                     mac=b"m" * 32, cnonce=b"c" * 64)
+    assert unpack_message(pack_message(hello), SMALL_MESSAGE_LIMITS)["sender"] == "a" * 200
+    # What an agent may not put in a batch, a relay may put in an rbatch, and no more.
+    wide = {"t": "batch", "seq": 1, "body": b"", "pad": [0] * 1000}
+    with pytest.raises(ProtocolError, match="max_array_len"):
+        unpack_message(pack_message(wide), batch_limits(DEFAULT_MAX_FRAME_BYTES))
+    assert unpack_message(pack_message(wide), rbatch_limits(DEFAULT_MAX_FRAME_BYTES))["pad"] == [0] * 1000
+
+
+def test_decode_limit_errors_never_echo_the_peers_bytes() -> None:
+    with pytest.raises(ProtocolError) as info:
+        unpack_message(_raw_map(("t", msgpack.packb("x")), ("s", msgpack.packb("\x1b[31m" * 100))),
+                       dataclasses.replace(SMALL_MESSAGE_LIMITS, max_str_len=10))
+    assert "\x1b" not in str(info.value)
