@@ -9,6 +9,7 @@ module provides ``add_arguments(parser)`` and ``main(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -17,7 +18,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from traceml_daemon.net.limits import DAEMON_LIMITS
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
+from traceml_wire.limits import ConnectionLimits
 
 DEFAULT_DB = "traceml.db"
 DEFAULT_PORT = 29765
@@ -63,11 +66,26 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tui", action="store_true", help="show the live terminal UI while serving")
     p.add_argument("--max-frame-bytes", type=_positive_int, default=DEFAULT_MAX_FRAME_BYTES,
                    help="largest frame accepted")
-    p.add_argument("--max-connections", type=_positive_int, default=1024, help="concurrent connections before refusing")
-    p.add_argument("--hello-timeout", type=_positive_float, default=10.0, help="seconds a new peer has to authenticate")
+    # The connection limits; their defaults are DAEMON_LIMITS (traceml_daemon/net/limits.py).
+    limits = DAEMON_LIMITS
+    p.add_argument("--max-connections", type=_positive_int, default=limits.max_connections,
+                   help=f"authenticated peers at once before refusing (default {limits.max_connections})")
+    p.add_argument("--max-unauthenticated", type=_positive_int, default=limits.max_unauthenticated,
+                   help="peers in their TLS handshake or before their hello is accepted (default "
+                        f"{limits.max_unauthenticated}); when full, the oldest gives its slot to a newcomer")
+    p.add_argument("--max-unauthenticated-per-address", type=_positive_int,
+                   default=limits.max_unauthenticated_per_address,
+                   help=f"of those, from one source address (default {limits.max_unauthenticated_per_address})")
+    p.add_argument("--hello-timeout", type=_positive_float, default=limits.hello_timeout,
+                   help=f"seconds a new peer has to authenticate (default {limits.hello_timeout:g})")
+    p.add_argument("--read-timeout", type=_positive_float, default=limits.read_timeout,
+                   help=f"seconds a frame's body has to arrive once it is read (default {limits.read_timeout:g})")
+    p.add_argument("--idle-timeout", type=_positive_float, default=limits.idle_timeout,
+                   help=f"seconds an authenticated peer may stay silent before it is closed (default "
+                        f"{limits.idle_timeout:g})")
     p.add_argument("--queue-bytes", type=_positive_int, default=64 * 1024 * 1024,
                    help="bytes queued for the writer (and in its transaction) before reads pause")
-    p.add_argument("--inbound-bytes", type=_positive_int, default=32 * 1024 * 1024,
+    p.add_argument("--inbound-bytes", type=_positive_int, default=limits.inbound_bytes,
                    help="bytes of frames being read, all connections together, before reads pause")
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
@@ -145,10 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         token=token,
         max_frame_bytes=args.max_frame_bytes,
-        max_connections=args.max_connections,
-        hello_timeout=args.hello_timeout,
         queue_bytes=args.queue_bytes,
-        inbound_bytes=args.inbound_bytes,
+        limits=_serve_limits(args),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_host=args.metrics_host,
@@ -165,6 +181,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if code == 0:
         _final_summary(args.db)
     return code
+
+
+def _serve_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """DAEMON_LIMITS as the serve flags set them."""
+    return dataclasses.replace(
+        DAEMON_LIMITS,
+        max_connections=args.max_connections,
+        max_unauthenticated=args.max_unauthenticated,
+        max_unauthenticated_per_address=args.max_unauthenticated_per_address,
+        hello_timeout=args.hello_timeout,
+        read_timeout=args.read_timeout,
+        idle_timeout=args.idle_timeout,
+        inbound_bytes=args.inbound_bytes,
+    )
 
 
 def _final_summary(db_path: str) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 from tests.traceml_daemon.wire_client import RELAY, WireClient, agent_sender, steps_body
+from traceml_daemon.net.limits import DAEMON_LIMITS
 from traceml_daemon.net.server import DaemonServer, ServerConfig
 from traceml_wire import messages
 
@@ -78,7 +80,8 @@ def test_many_connections_hold_at_most_the_inbound_budget_while_the_writer_is_st
 
     async def go() -> None:
         budget = 300 * 1024
-        server = DaemonServer(ServerConfig(db_path=str(db), port=0, queue_bytes=64 * 1024, inbound_bytes=budget))
+        server = DaemonServer(ServerConfig(db_path=str(db), port=0, queue_bytes=64 * 1024,
+                                           limits=replace(DAEMON_LIMITS, inbound_bytes=budget)))
         gate = asyncio.Event()
         server.writer.before_write = gate.wait
         stop = asyncio.Event()
