@@ -12,7 +12,9 @@ Every function here is fail-open: it never raises into the training script
 and never blocks on the network. ``TRACEML_DISABLE=1`` turns all of them into
 cheap no-ops. Importing this package imports neither torch nor the daemon's
 UI/storage stack; ``init()`` imports no torch either: the tracer (which does)
-is built on the agent's background thread.
+is built on the agent's background thread. Without torch installed (the
+head node's install, no ``traceml-daemon[agent]`` extra) ``init()`` says so in
+one ``[traceml]`` line and every function stays a no-op.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import importlib.util
 import os
 import secrets
 import sys
@@ -90,6 +91,23 @@ def _default_relay_starter() -> RelayStarter:
     from relay.node import start_relay_thread  # lazy: only local rank 0 needs it
 
     return start_relay_thread
+
+
+# The base install (a head node's) has no torch; ranks need the agent extra.
+NO_TORCH_MESSAGE = (
+    "torch is not installed, so the agent is off (every call is a no-op): "
+    "pip install 'traceml-daemon[agent]' in the training environment"
+)
+
+
+def _torch_installed() -> bool:
+    """torch can be imported here, found without importing it (init() must stay light)."""
+    if sys.modules.get("torch") is not None:
+        return True
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a broken or blocked torch is as good as none
+        return False
 
 
 def _torch_imported() -> bool:
@@ -375,6 +393,12 @@ def init(
         for problem in problems:
             reporter.report(f"config:{problem}", problem)
         if config.disabled:
+            disabled = True
+            return None
+        if tracer_factory is None and not _torch_installed():
+            # A sender without a tracer would only ship resource samples under a rank's name:
+            # off, said once, so a missing extra is not mistaken for a silent run.
+            reporter.report("no-torch", NO_TORCH_MESSAGE)
             disabled = True
             return None
         disabled = False
