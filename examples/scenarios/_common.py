@@ -26,6 +26,8 @@ class Scenario:
     collate_delay_s: Callable[[int], float] = lambda rank: 0.0
     optimizer_delay_s: Callable[[int], float] = lambda rank: 0.0
     backward_delay_s: Callable[[int, int], float] = lambda rank, step: 0.0  # (rank, step) -> seconds
+    # Host work after backward and before optimizer.step: in no phase the agent measures.
+    between_delay_s: Callable[[int], float] = lambda rank: 0.0
     leak_bytes_per_step: Callable[[int], int] = lambda rank: 0
     call_forward_directly: bool = False  # bypasses module hooks: the forward phase is never captured
     batch: int = 128  # default of --batch
@@ -89,6 +91,7 @@ def run(scenario: Scenario) -> None:
     data = TensorDataset(torch.randn(args.steps * args.batch, 64, generator=gen),
                          torch.randn(args.steps * args.batch, 1, generator=gen))
     loader = DataLoader(data, batch_size=args.batch, collate_fn=_collate(scenario.collate_delay_s(rank)))
+    between_s = scenario.between_delay_s(rank)
     leak: list[torch.Tensor] = []
     for step, (x, y) in enumerate(loader):
         step_box[0] = step
@@ -97,6 +100,8 @@ def run(scenario: Scenario) -> None:
             loss = nn.functional.mse_loss(out, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if between_s:
+                time.sleep(between_s)
             opt.step()
             n = scenario.leak_bytes_per_step(rank)
             if n:

@@ -84,6 +84,19 @@ def test_backward_straggler_found_although_allreduce_equalizes_steps(tmp_path: P
     assert steps[1] - steps[0] < 0.5 * (steps[0] + steps[1]) / 2
 
 
+def test_host_work_between_phases_is_a_wait_straggler(tmp_path: Path) -> None:
+    s = _run("wait_straggler", tmp_path)
+    assert "WAIT_STRAGGLER" in _names(s, scope_rank=1), s["verdicts"]
+    culprit = next(v for v in s["verdicts"] if v["name"] == "WAIT_STRAGGLER")
+    # the injected host work (30 ms) is in no measured phase: the rank's own wait-slot time explains the gap
+    assert culprit["evidence"]["phase"] == "wait" and "wait slot" in culprit["why"], culprit
+    assert culprit["evidence"]["wait_slot_excess_ms"] >= 0.5 * culprit["evidence"]["excess_ms"], culprit
+    assert not _names(s, scope_rank=0) & {"INPUT_STRAGGLER", "COMPUTE_STRAGGLER", "WAIT_STRAGGLER", "STRAGGLER"}
+    # rank 0 waits for it in the all-reduce, so the step times stay close
+    steps = sorted(r["step_ms_median"] for r in s["ranks"])
+    assert steps[1] - steps[0] < 0.5 * (steps[0] + steps[1]) / 2
+
+
 def test_memory_creep(tmp_path: Path) -> None:
     # RSS is sampled at every flush: flush often so a short run has a series to judge
     s = _run("memory_creep", tmp_path, steps=150, TRACEML_FLUSH_S="0.2")

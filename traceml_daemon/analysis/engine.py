@@ -15,7 +15,7 @@ from traceml_daemon.analysis.report import format_verdicts, sort_verdicts
 from traceml_daemon.analysis.steps import bound_verdicts, check_data
 from traceml_daemon.analysis.stragglers import node_excesses, node_verdicts, rank_excesses, rank_verdicts
 from traceml_daemon.analysis.system import system_verdicts
-from traceml_daemon.analysis.window import profiles
+from traceml_daemon.analysis.window import collective_coupled, profiles
 
 __all__ = ["diagnose", "format_verdicts", "sort_verdicts"]
 
@@ -38,7 +38,10 @@ def diagnose(run: RunData, policy: Policy | None = None) -> list[Verdict]:
         slow_nodes = {e.node_rank for e in nodes if e.node_rank is not None}
         stragglers = node_verdicts(nodes, policy.stragglers, check.phases_ok)
         stragglers += rank_verdicts(
-            rank_excesses(eligible, policy.stragglers), policy.stragglers, check.phases_ok, slow_nodes
+            rank_excesses(eligible, policy.stragglers, coupled=collective_coupled(run)),
+            policy.stragglers,
+            check.phases_ok,
+            slow_nodes,
         )
         out += stragglers
         if check.phases_ok:

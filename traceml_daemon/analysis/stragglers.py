@@ -5,6 +5,27 @@ In DDP every rank's step time is the same: fast ranks sit in the all-reduce
 *busy* time (step minus wait), each against the median of the OTHER ranks
 (with 2 ranks: against the other one), and the gap is attributed to the phase
 group whose excess explains it. All of it is O(ranks log ranks).
+
+The verdict names the group: INPUT_STRAGGLER, H2D_STRAGGLER, COMPUTE_STRAGGLER
+for a measured phase group that explains ``explain_frac`` of the gap, then
+WAIT_STRAGGLER, else STRAGGLER (mixed, or nothing measured explains it).
+
+WAIT_STRAGGLER, precisely. A step's *wait slot* is everything in it outside
+the measured phases (dataloader, h2d, forward, backward, optimizer). The
+agent stores it in ``wait`` in one of two ways: under DDP with its comm hook,
+``wait`` is only the measured time blocked on the all-reduce (taken out of
+backward, and out of busy time here) and the rest of the slot is stored
+nowhere; otherwise (FSDP2, a user's own DDP comm hook, no wrapper) ``wait``
+is the whole slot, a residual. The rank's *own* part of the slot is its busy
+time less its phases' medians: the unmeasured remainder under DDP, the whole
+residual where busy time is the step. WAIT_STRAGGLER names a rank when no
+phase group explains the gap and that own part of the slot does, in a run
+whose ranks the agent saw step together (DDP or FSDP2, or a measured
+all-reduce; ``window.collective_coupled``), where that time is what the others
+wait for. In a "single" run (no wrapper, no measured collective) nothing says
+anyone waits: the same gap stays STRAGGLER, "work not in any measured phase".
+Under a user's DDP comm hook the residual is taken out of busy time as if it
+were a measured wait, so host work there is not seen at all.
 """
 
 from __future__ import annotations
@@ -23,8 +44,15 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "h2d": ("h2d",),
     "compute": ("forward", "backward", "optimizer"),
 }
-GROUP_VERDICT = {"input": "INPUT_STRAGGLER", "h2d": "H2D_STRAGGLER", "compute": "COMPUTE_STRAGGLER"}
 ATTRIBUTED = tuple(p for group in GROUPS.values() for p in group)
+# Not a phase group: the rank's own time in the wait slot, derived from the others (see above).
+WAIT = "wait"
+GROUP_VERDICT = {
+    "input": "INPUT_STRAGGLER",
+    "h2d": "H2D_STRAGGLER",
+    "compute": "COMPUTE_STRAGGLER",
+    WAIT: "WAIT_STRAGGLER",
+}
 
 
 @dataclass
@@ -41,14 +69,25 @@ class Excess:
     others_wait_ms: float | None
     phase_excess: dict[str, float] = field(default_factory=dict)
     group_excess: dict[str, float] = field(default_factory=dict)
+    # The rank's own wait-slot time above the others' median; None where the run's
+    # ranks are not known to step together (WAIT_STRAGGLER does not apply).
+    wait_slot_excess: float | None = None
 
 
 def _group_ms(p: RankProfile, group: str) -> float:
     return sum(p.phases_ms.get(ph) or 0.0 for ph in GROUPS[group])
 
 
-def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy) -> list[Excess]:
-    """Ranks whose busy time exceeds the other ranks' median by the policy threshold, worst first."""
+def wait_slot_ms(p: RankProfile) -> float:
+    """The rank's own time outside every measured phase: busy time less the phases' medians."""
+    return (p.busy_ms or 0.0) - sum(p.phases_ms.get(ph) or 0.0 for ph in ATTRIBUTED)
+
+
+def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy, coupled: bool = False) -> list[Excess]:
+    """Ranks whose busy time exceeds the other ranks' median by the policy threshold, worst first.
+
+    ``coupled``: the ranks step together (``window.collective_coupled``), so each
+    excess also carries its wait-slot part, which WAIT_STRAGGLER is named by."""
     ranks = [p for p in profs if p.busy_ms is not None and p.step_ms is not None]
     if len(ranks) < 2:
         return []
@@ -56,6 +95,8 @@ def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy) -> list[Exc
     step = others_median([p.step_ms or 0.0 for p in ranks])
     wait = others_median([p.phases_ms.get("wait") or 0.0 for p in ranks])
     phase_ref = {ph: others_median([p.phases_ms.get(ph) or 0.0 for p in ranks]) for ph in ATTRIBUTED}
+    slot = [wait_slot_ms(p) for p in ranks] if coupled else []
+    slot_ref = others_median(slot) if coupled else []
     out: list[Excess] = []
     for i, p in enumerate(ranks):
         ref_busy, ref_step = busy[i] or 0.0, step[i] or 0.0
@@ -75,6 +116,7 @@ def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy) -> list[Exc
                 wait[i],
                 phase_excess,
                 {g: sum(phase_excess[ph] for ph in phs) for g, phs in GROUPS.items()},
+                slot[i] - (slot_ref[i] or 0.0) if coupled else None,
             )
         )
     out.sort(key=lambda e: -e.excess_ms)
@@ -142,6 +184,21 @@ def _attribute(e: Excess, policy: StragglerPolicy, phases_ok: bool) -> tuple[str
     return group, phase
 
 
+def _attribute_rank(e: Excess, policy: StragglerPolicy, phases_ok: bool) -> tuple[str | None, str | None]:
+    """As ``_attribute``; where no measured group explains the gap, the wait slot may.
+
+    Measured groups come first: their times are measured, the slot is what is left of the step."""
+    group, phase = _attribute(e, policy, phases_ok)
+    if (
+        group is None
+        and phases_ok
+        and e.wait_slot_excess is not None
+        and e.wait_slot_excess >= policy.explain_frac * e.excess_ms
+    ):
+        return WAIT, WAIT
+    return group, phase
+
+
 def _severity(e: Excess, policy: StragglerPolicy) -> str:
     return "critical" if e.excess_ms >= policy.critical_excess_frac * e.others_step_ms else "warn"
 
@@ -162,7 +219,9 @@ def _evidence(e: Excess, phase: str | None) -> dict[str, object]:
 
 
 def _gap_text(e: Excess, phase: str | None, policy: StragglerPolicy) -> str:
-    if phase is not None:
+    if phase == WAIT and e.wait_slot_excess is not None:
+        lead = f"+{e.wait_slot_excess:.1f} ms of its own time in the wait slot, outside every measured phase"
+    elif phase is not None:
         lead = f"{phase} +{e.phase_excess[phase]:.1f} ms vs the others' median"
     else:
         lead = f"+{e.excess_ms:.1f} ms of work not in any measured phase"
@@ -179,7 +238,7 @@ def rank_verdicts(
     kept = [e for e in excesses if e.node_rank is None or e.node_rank not in skip_nodes]
     out: list[Verdict] = []
     for e in kept[: policy.max_rank_verdicts]:
-        group, phase = _attribute(e, policy, phases_ok)
+        group, phase = _attribute_rank(e, policy, phases_ok)
         name = GROUP_VERDICT[group] if group else "STRAGGLER"
         rank = e.ranks[0]
         scope = {"global_rank": rank}
@@ -188,6 +247,8 @@ def rank_verdicts(
             scope["node_rank"] = e.node_rank
             where += f" (node {e.node_rank})"
         ev = _evidence(e, phase)
+        if group == WAIT and e.wait_slot_excess is not None:
+            ev["wait_slot_excess_ms"] = round_ms(e.wait_slot_excess)
         ev["stragglers_total"] = len(kept)
         out.append(
             Verdict(
@@ -223,6 +284,10 @@ _NEXT: dict[str | None, str] = {
     "(nvidia-smi topo -m), use pinned memory and non_blocking=True.",
     "compute": "This rank computes slower: check its GPU's clocks, temperature and throttling "
     "(nvidia-smi -q -d PERFORMANCE), other processes on that GPU, and uneven batch or sequence lengths per rank.",
+    WAIT: "This rank's extra time is between the measured phases, and the other ranks wait for it in the "
+    "next collective: look on that rank for host work between backward and the optimizer or after the step "
+    "(.item()/.cpu() syncs, logging, metric all-reduces or barriers, gradient clipping, checkpoint saves, GC) "
+    "and wrap suspects in agent.span(...) to see them in the exported trace.",
     None: "The gap is outside the measured phases: look for host work between phases on that rank "
     "(logging, .item() syncs, checkpointing, GC).",
 }

@@ -100,6 +100,18 @@ def _bad_clock_steps(
     return bad
 
 
+def _comm_measured(run: RunData) -> bool:
+    return any(v is not None for r in run.ranks for v in r.comm_ns[-1:])
+
+
+def collective_coupled(run: RunData) -> bool:
+    """The agent saw the ranks step together: a DDP or FSDP2 model, or a measured all-reduce.
+
+    Then a rank's extra time anywhere in its step holds the others back in a collective;
+    in a "single" run nothing says the ranks wait on one another at all."""
+    return run.parallelism in ("ddp", "fsdp2") or _comm_measured(run)
+
+
 def profiles(run: RunData, warmup_steps: int, window: int | None, clock_slack: float) -> list[RankProfile]:
     """One profile per rank, in ``run.ranks`` order. ``window=None`` keeps every post-warm-up step."""
     first = run_first_step(run)
@@ -107,7 +119,7 @@ def profiles(run: RunData, warmup_steps: int, window: int | None, clock_slack: f
     # Only DDP measures wait as time blocked on peers; elsewhere it is the unmeasured
     # residual of the step, which is the rank's own (slow) work and must count as busy.
     # A measured all-reduce (comm_ns) marks DDP too, should the run be labelled otherwise.
-    measured_wait = run.parallelism == "ddp" or any(v is not None for r in run.ranks for v in r.comm_ns[-1:])
+    measured_wait = run.parallelism == "ddp" or _comm_measured(run)
     return [profile_rank(r, cut, window, clock_slack, measured_wait) for r in run.ranks]
 
 
