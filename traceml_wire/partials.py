@@ -16,7 +16,9 @@ daemon catching up after a crash) are folded by the daemon with the same code
 Stats (one bucket, a flat list for speed):
 ``[n, first_step, last_step, last_ts, then per metric: count, min, max, sum]``
 where a metric is ``step`` or a phase, read from its ``{metric}_ns`` column;
-``None`` cells ("not measured") stay out of that metric's figures.
+``None`` cells ("not measured") stay out of that metric's figures. A sum
+saturates at the int64 bounds (``traceml_wire.bounds.saturate``): SQLite
+stores nothing wider, and a bucket of long steps must still be storable.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from collections.abc import Sequence
 from itertools import chain, repeat
 from typing import Any
 
+from traceml_wire.bounds import MAX_DURATION_NS, is_int64, saturate
 from traceml_wire.errors import ProtocolError
-from traceml_wire.tables import INT64_MAX, INT64_MIN, PHASES
+from traceml_wire.tables import PHASES
 
 FINE_STEPS = 64  # steps per bucket of the finest history level
 # A batch with fewer steps carries no partials: its one or two bucket rows (33
@@ -74,7 +77,7 @@ def stats_of(cols: Columns, ordered: bool = False) -> Stats:
     try:
         # sum() fails on any None ("not measured", which stays out of every figure):
         # trying first saves a scan for None on every column of every bucket.
-        sums = list(map(sum, metrics))
+        sums = list(map(saturate, map(sum, metrics)))
     except TypeError:
         return head + _metric_stats(metrics)
     return head + list(_chain(zip(repeat(n), map(min, metrics), map(max, metrics), sums)))
@@ -89,7 +92,7 @@ def _metric_stats(metrics: Columns) -> Stats:
             values = [v for v in values if v is not None]
             total = sum(values)
         if values:
-            out += [len(values), min(values), max(values), total]
+            out += [len(values), min(values), max(values), saturate(total)]
         else:
             out += [0, None, None, 0]
     return out
@@ -164,8 +167,9 @@ def encode_partials(steps: dict[str, Sequence[Any]]) -> dict[str, Any] | None:
 # ------------------------------------------------------------------ daemon side
 
 
-def _is_int64(value: Any) -> bool:
-    return type(value) is int and INT64_MIN <= value <= INT64_MAX
+def _is_duration(value: Any) -> bool:
+    # What the daemon stores of a step or phase cell (longer ones become NULL).
+    return type(value) is int and -MAX_DURATION_NS <= value <= MAX_DURATION_NS
 
 
 def _check_metric(n: int, count: Any, lo: Any, hi: Any, total: Any) -> str | None:
@@ -173,8 +177,8 @@ def _check_metric(n: int, count: Any, lo: Any, hi: Any, total: Any) -> str | Non
         return "a metric count outside 0..n"
     if count == 0:
         return None if lo is None and hi is None and total == 0 else "figures for a metric counted 0 times"
-    if not (_is_int64(lo) and _is_int64(hi) and _is_int64(total)):
-        return "a metric figure that is not a 64-bit integer"
+    if not (_is_duration(lo) and _is_duration(hi) and is_int64(total)):
+        return "a metric figure that is not a 64-bit integer, or a duration beyond the stored maximum"
     if not (lo <= hi and lo * count <= total <= hi * count):
         return "a metric whose min, max and sum disagree"
     return None
@@ -184,7 +188,7 @@ def _check_row(row: tuple[Any, ...]) -> str | None:
     bucket, n, first, last, last_ts = row[:5]
     if type(n) is not int or n < 1:
         return "a bucket of no steps"
-    if not (_is_int64(bucket) and _is_int64(first) and _is_int64(last)):
+    if not (is_int64(bucket) and is_int64(first) and is_int64(last)):
         return "a bucket or step that is not a 64-bit integer"
     if not (first <= last and first // FINE_STEPS == bucket == last // FINE_STEPS):
         return "steps outside their bucket"
@@ -202,9 +206,10 @@ def decode_partials(raw: Any, steps: Sequence[Any]) -> list[tuple[int, Stats]]:
     body, as (bucket, Stats) rows; ProtocolError names the first problem (the daemon
     then folds the batch's rows itself and loses nothing).
 
-    The checks make a partial merge safely with any other (types, int64 range, every
-    step in its bucket, counts within n, min <= sum / count <= max) and account for
-    exactly the batch's steps (their count); they do not recompute the figures."""
+    The checks make a partial merge safely with any other (types, int64 range, minima
+    and maxima within the stored duration bound, every step in its bucket, counts
+    within n, min <= sum / count <= max) and account for exactly the batch's steps
+    (their count); they do not recompute the figures."""
     if type(raw) is not dict or raw.get("level") != FINE_STEPS:
         raise ProtocolError(f"history partials must be a map with level {FINE_STEPS}")
     cols = raw.get("cols")

@@ -32,6 +32,8 @@ from typing import Any
 
 import msgpack
 
+from traceml_wire.bounds import INT64_MAX as INT64_MAX
+from traceml_wire.bounds import INT64_MIN as INT64_MIN
 from traceml_wire.errors import ProtocolError
 
 INT = "int"
@@ -178,9 +180,8 @@ def _unpack(body: bytes) -> dict[Any, Any]:
 
 
 # SQLite stores 64-bit signed integers; msgpack also carries uint64 up to 2**64 - 1,
-# which sqlite3 refuses at bind time (OverflowError), failing the whole transaction.
-INT64_MAX = 2**63 - 1
-INT64_MIN = -(2**63)
+# which sqlite3 refuses at bind time (OverflowError): INT64_MAX / INT64_MIN come from
+# traceml_wire/bounds.py, the bounds of everything a peer states.
 
 Column = Sequence[Any]  # a tuple as decoded, a list where a missing column was filled
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traceml_wire.body import encode_body
+from traceml_wire.bounds import INT64_MAX, MAX_DURATION_NS
 from traceml_wire.errors import ProtocolError
 from traceml_wire.partials import (
     COLUMNS,
@@ -23,6 +24,7 @@ from traceml_wire.partials import (
     PARTIALS_MIN_STEPS,
     decode_partials,
     encode_partials,
+    fine_stats,
 )
 from traceml_wire.tables import decode_batch
 
@@ -127,6 +129,9 @@ TAMPERED = {
     "a float figure": lambda p: _set(p, "backward_max", 0, 1.5),
     "a bool count": lambda p: _set(p, "n", 0, True),
     "beyond int64": lambda p: _set(p, "step_max", 0, 2**64),
+    # Longer than a duration the daemon stores (it would store the cell as NULL).
+    "a duration beyond the stored maximum": lambda p: _set(p, "step_max", 0, MAX_DURATION_NS + 1),
+    "a duration below minus the maximum": lambda p: _set(p, "step_min", 0, -MAX_DURATION_NS - 1),
     "figures for nothing": lambda p: _set(p, "dataloader_n", 0, 0),
     "a text last_ts": lambda p: _set(p, "last_ts", 0, "now"),
 }
@@ -189,3 +194,17 @@ def test_any_steps_agents_send_pass_the_daemon_check(steps: list[int | None]) ->
     assert partials is not None
     assert dict(decode_partials(partials, steps)) == _naive(cols)
     assert list(COLUMNS) == ["step", "ts", *METRIC_COLUMNS]
+
+
+def test_a_buckets_sums_saturate_at_the_int64_bounds() -> None:
+    """Cells an older daemon stored before durations were bounded, folded on catch-up:
+    a sum beyond int64 is pinned at its bound (SQLite stores nothing wider), with or
+    without unmeasured cells among them."""
+    n = FINE_STEPS
+    cols = {"step": list(range(n)), "ts": [1.0] * n, "step_ns": [2**62] * n,
+            **{name: [-(2**62)] * n for name in METRIC_COLUMNS[1:]}}
+    cols["wait_ns"] = [None, *[2**62] * (n - 1)]
+    ((bucket, stats),) = fine_stats([cols[name] for name in COLUMNS])
+    sums = {name: stats[4 + 4 * i + 3] for i, name in enumerate(METRIC_COLUMNS)}
+    assert sums == {"step_ns": INT64_MAX, "wait_ns": INT64_MAX,
+                    **{name: -(2**63) for name in METRIC_COLUMNS[1:-1]}}

@@ -5,7 +5,10 @@ rank and per node, the count, min, max and sum of ``step_ns`` and of every
 phase. Sums and counts (not means) are kept, so a bucket filled over several
 writes, or across a daemon restart, merges exactly (in SQL too: ``history_sql``).
 Everything here is pure and order-free (integer sums, min, max): how steps are
-split into folds never changes what is stored.
+split into folds never changes what is stored. A sum that would leave the
+int64 range is pinned at its bound (``traceml_wire.bounds.saturate``), as the
+SQL merge does: SQLite stores nothing wider, and a saturated figure says
+"beyond measure" whichever fold got there first.
 
 Agents may send the finest buckets of their own steps (``traceml_wire/partials.py``,
 computed by the same code): ``merge_fine`` and ``add_fine_deltas`` take those, and
@@ -20,6 +23,7 @@ from typing import Any
 from traceml_daemon.analysis.stats import max_or_none, min_or_none
 from traceml_daemon.store.schema import HISTORY_LEVELS
 from traceml_wire import partials as wire_history
+from traceml_wire.bounds import saturate
 
 # Stats is a flat list, for speed on the ingest path (``traceml_wire.partials``):
 # [n, first_step, last_step, last_ts, then per metric: count, min, max, sum]
@@ -53,7 +57,7 @@ def merge_into(acc: Stats, other: Stats) -> None:
             acc[i] += other[i]
             acc[i + 1] = _lo(acc[i + 1], other[i + 1])
             acc[i + 2] = _hi(acc[i + 2], other[i + 2])
-            acc[i + 3] += other[i + 3]
+            acc[i + 3] = saturate(acc[i + 3] + other[i + 3])
 
 
 def merged(group: Sequence[Stats]) -> Stats:
@@ -65,7 +69,9 @@ def merged(group: Sequence[Stats]) -> Stats:
     out: Stats = [sum(figures[0]), min_or_none(figures[1]), max_or_none(figures[2]), max_or_none(figures[3])]
     for i in range(BASE, WIDTH, 4):
         # A metric no member measured has count 0, min and max None and sum 0.
-        out += [sum(figures[i]), min_or_none(figures[i + 1]), max_or_none(figures[i + 2]), sum(figures[i + 3])]
+        out += [
+            sum(figures[i]), min_or_none(figures[i + 1]), max_or_none(figures[i + 2]), saturate(sum(figures[i + 3]))
+        ]
     return out
 
 

@@ -2,7 +2,11 @@
 
 A bucket row met again (a bucket filled over several writes, or across a restart)
 merges in SQL: counts and sums add, minima and maxima take the extreme, NULL
-meaning "no value yet". Each statement is given as ``SqlParts`` so the writer puts
+meaning "no value yet". Sums saturate at the int64 bounds, as in Python
+(``history_buckets``): SQLite turns an integer ``a + b`` that overflows into a
+REAL (which a column then keeps), so ``_saturating_add`` never computes a sum
+beyond the range, and pins a REAL an older daemon stored that way back to its
+bound. Each statement is given as ``SqlParts`` so the writer puts
 many rows in one statement (``store/statements.py``); the single-row forms are
 for ``executemany`` (``bench/history.py``).
 """
@@ -14,6 +18,7 @@ from typing import Any
 from traceml_daemon.store.history_buckets import Stats
 from traceml_daemon.store.schema import HISTORY_METRICS
 from traceml_daemon.store.statements import SqlParts, one_row_sql
+from traceml_wire.bounds import INT64_MAX, INT64_MIN
 from traceml_wire.tables import PHASES
 
 # A bucket row's stats columns, in ``Stats`` order.
@@ -24,13 +29,32 @@ STAT_COLUMNS = ("n", "first_step", "last_step", "last_ts") + tuple(
 RESERVOIR_COLUMNS = ("rank_id", "slot", "step", "ts", "step_ns", *(f"{p}_ns" for p in PHASES))
 
 
+# INT64_MIN as an SQL literal: "-9223372036854775808" parses as the negation of a
+# number too large for an integer, a REAL.
+_MAX_SQL, _MIN_SQL = str(INT64_MAX), f"({INT64_MIN + 1} - 1)"
+
+
+def saturating_add(have: str, add: str) -> str:
+    """SQL for ``have + add`` pinned to the int64 range. Each branch compares against a
+    bound minus ``add`` on the side where that cannot overflow; a ``have`` beyond the
+    range (a REAL an older daemon's overflowing ``+`` stored) lands on its bound."""
+    return (
+        f"CASE WHEN {add} >= 0 THEN CASE WHEN {have} > {_MAX_SQL} - {add} THEN {_MAX_SQL} "
+        f"WHEN {have} < {_MIN_SQL} THEN {_MIN_SQL} ELSE {have} + {add} END "
+        f"ELSE CASE WHEN {have} < {_MIN_SQL} - {add} THEN {_MIN_SQL} "
+        f"WHEN {have} > {_MAX_SQL} THEN {_MAX_SQL} ELSE {have} + {add} END END"
+    )
+
+
 def _merge_sql(col: str) -> str:
     # NULL means "no value yet"; SQL's multi-argument min/max would return NULL.
     if col.endswith("_min") or col == "first_step":
         return f"{col}=min(coalesce({col}, excluded.{col}), coalesce(excluded.{col}, {col}))"
     if col.endswith("_max") or col in ("last_step", "last_ts"):
         return f"{col}=max(coalesce({col}, excluded.{col}), coalesce(excluded.{col}, {col}))"
-    return f"{col}={col}+excluded.{col}"
+    if col.endswith("_sum"):
+        return f"{col}={saturating_add(col, f'excluded.{col}')}"
+    return f"{col}={col}+excluded.{col}"  # counts: each at most the steps stored
 
 
 def _upsert_parts(table: str, keys: tuple[str, ...]) -> SqlParts:

@@ -8,11 +8,14 @@ import random
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
 from traceml_daemon.ingest.pipeline import StoreWriter
 from traceml_daemon.store import history
 from traceml_daemon.store.policy import IngestPolicy
 from traceml_daemon.store.schema import HISTORY_LEVELS, LATEST_SLOT, RESERVOIR_SIZE
+from traceml_wire.bounds import saturate
 
 
 async def _write(db: Path, batches: list) -> None:
@@ -220,13 +223,14 @@ def test_history_backlog_bound_grows_with_ranks() -> None:
 
 
 def _reference_stats(cols: dict[str, list], rows: list[int]) -> history.Stats:
-    """Stats of ``rows`` computed naively, value by value."""
+    """Stats of ``rows`` computed naively, value by value; a sum beyond int64 is stored
+    at its bound (SQLite holds nothing wider)."""
     steps = [cols["step"][i] for i in rows]
     ts = [cols["ts"][i] for i in rows if cols["ts"][i] is not None]
     out: history.Stats = [len(steps), min(steps), max(steps), max(ts) if ts else None]
     for name in history.HISTORY_COLUMNS[2:]:
         values = [cols[name][i] for i in rows if cols[name][i] is not None]
-        out += [len(values), min(values), max(values), sum(values)] if values else [0, None, None, 0]
+        out += [len(values), min(values), max(values), saturate(sum(values))] if values else [0, None, None, 0]
     return out
 
 
@@ -277,8 +281,8 @@ def test_bucket_deltas_equal_a_naive_pass_in_any_order_with_gaps_and_nulls() -> 
 
 
 def test_long_runs_fold_exactly_whatever_the_column_holds() -> None:
-    """Bucket sums past int64, bools, floats sent in an int column, Nones and reals
-    mixed with ints: every figure equals the naive pass's."""
+    """Bucket sums past int64 (saturated), bools, floats sent in an int column, Nones
+    and reals mixed with ints: every figure equals the naive pass's."""
     rng = random.Random(11)
     n = 1000
     steps = list(range(100, 100 + n))
@@ -403,3 +407,23 @@ def test_reservoir_replays_its_draws_after_a_rollback_or_a_reload() -> None:
     moved = history.ReservoirUpdate()
     other.offer_columns(rank_id + 1, rest, moved)
     assert [row[2:] for row in moved.rows.values()] != [row[2:] for row in expected.rows.values()]
+
+
+def test_sql_merge_saturates_where_sqlites_own_addition_turns_real() -> None:
+    """What SQLite does: an integer ``a + b`` that overflows becomes a REAL (which an
+    INTEGER column then keeps), and sum() raises. The merge's addition never overflows,
+    lands on a bound instead, and pins a REAL an older daemon stored to its bound."""
+    from traceml_daemon.store.history_sql import saturating_add
+
+    conn = sqlite3.connect(":memory:")
+    top, bottom = 2**63 - 1, -(2**63)
+    assert conn.execute("SELECT ?1 + 1, typeof(?1 + 1)", (top,)).fetchone() == (float(2**63), "real")
+    with pytest.raises(sqlite3.OperationalError, match="integer overflow"):
+        conn.execute("SELECT sum(x) FROM (SELECT ?1 AS x UNION ALL SELECT 1)", (top,)).fetchone()
+    expr = saturating_add("?1", "?2")
+    cases = [(top, 1, top), (top, top, top), (top - 5, 3, top - 2), (bottom, -1, bottom), (bottom, bottom, bottom),
+             (bottom + 5, -3, bottom + 2), (5, -7, -2), (top, -1, top - 1), (bottom, 1, bottom + 1),
+             (1.8e19, 0, top), (1.8e19, -3, top), (-1.8e19, 4, bottom), (-1.8e19, -4, bottom)]
+    for have, add, expected in cases:
+        assert conn.execute(f"SELECT {expr}, typeof({expr})", (have, add)).fetchone() == (expected, "integer"), (
+            have, add)
