@@ -28,6 +28,21 @@ class Counters:
     partials_refused: int = 0
     protocol_errors: int = 0
     connections: int = 0
+    # Batches set aside in ``quarantine`` (ingest/quarantine.py): acknowledged, not stored.
+    batches_quarantined: int = 0
+    # Of those, items whose seq jumped far past their sender's mark (traceml_wire/bounds.py).
+    seq_jumps_refused: int = 0
+    # Relay stats entries and agent drop counters not stored: bad, or beyond the cap.
+    stats_refused: int = 0
+    # Step and phase durations beyond the stored maximum, stored as NULL.
+    durations_nulled: int = 0
+    # Ranks rows built with no identity at all, and identity fields refused
+    # (traceml_wire/identity.py): once per sender and identity stated, per daemon run.
+    senders_without_identity: int = 0
+    identity_fields_refused: int = 0
+    # History folds that could not be written even alone and were let go (their raw
+    # rows stay); never expected, counted so that it cannot go unseen.
+    history_writes_dropped: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -11,6 +11,15 @@ while N is still being written on aiosqlite's thread. Staging therefore also
 consults ``pending``, the high-water marks of staged but uncommitted plans; a
 failed commit clears them all and the writer re-stages what came after.
 
+What a relay states besides its items' bodies is checked here, before anything
+reaches SQLite (``traceml_wire/bounds.py``): its counters (bad or surplus
+entries dropped and counted), each item's sender and seq, how many senders one
+rbatch holds, and how far a seq may jump past its sender's mark. An item that
+fails, or whose body does not decode, is set aside (``ingest/quarantine.py``),
+never the rest of the rbatch. Step and phase durations beyond
+``MAX_DURATION_NS`` become NULL (not measured), and a NaN scalar becomes the
+text 'NaN', which SQLite keeps (it stores a NaN REAL as NULL).
+
 A sender's ranks row holds the identity its hello stated (an agent's own hello,
 or the ``peers`` map of the relay that forwarded it: traceml_wire/identity.py
 declares the fields), the node fields its relay's ``node`` map states where the
@@ -21,10 +30,22 @@ read out of it.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceml_daemon.ingest.quarantine import Quarantined, describe
 from traceml_daemon.store.schema import RANK_COLUMNS as RANK_COLUMNS
+from traceml_wire.bounds import (
+    MAX_DURATION_NS,
+    MAX_SENDERS_PER_RBATCH,
+    MAX_STATS_KEYS,
+    clean_stats,
+    counter_ok,
+    sender_problem,
+    seq_jump_problem,
+    seq_problem,
+)
 from traceml_wire.errors import ProtocolError
 from traceml_wire.identity import (
     IDENTITY,
@@ -85,6 +106,11 @@ class Plan:
     rows_stored: int = 0
     duplicates_discarded: int = 0
     bad_bodies: int = 0
+    # Batches set aside (ingest/quarantine.py), each a row of ``quarantine``.
+    quarantined: list[Quarantined] = field(default_factory=list)
+    stats_refused: int = 0  # relay stats and agent drop counters not stored (bad or beyond the cap)
+    seq_jumps_refused: int = 0  # items set aside for a seq far past their sender's mark
+    durations_nulled: int = 0  # step and phase cells beyond MAX_DURATION_NS, stored as NULL
     # Senders given a ranks row with no identity at all (no hello identity reached us:
     # an older or broken relay), and identity fields refused as out of range or of the
     # wrong type (traceml_wire/identity.py). Each counted once per sender and identity
@@ -100,7 +126,12 @@ class Plan:
     def empty(self) -> bool:
         return not (
             self.chunks or self.ranks or self.rank_touches or self.rank_sources or self.relay_stats or self.agent_drops
+            or self.quarantined
         )
+
+    @property
+    def batches_quarantined(self) -> int:
+        return len(self.quarantined)
 
     def rows(self, table: str) -> list[tuple[Any, ...]]:
         """The rows of ``table`` as tuples, rank id first (tests and tools; the writer
@@ -112,6 +143,10 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: columns(name) for name in TAB
 _STEP = TABLE_COLUMNS["steps"].index("step")
 _DROP_SOURCE = TABLE_COLUMNS["drops"].index("source")
 _DROP_COUNT = TABLE_COLUMNS["drops"].index("count")
+_SCALAR_VALUE = TABLE_COLUMNS["scalars"].index("value")
+# The steps columns that hold durations (history's metrics and the measured all-reduce).
+_DURATIONS = tuple(i for i, name in enumerate(TABLE_COLUMNS["steps"]) if name.endswith("_ns"))
+NAN_TEXT = "NaN"  # how a NaN scalar is stored (schema v7)
 
 
 @dataclass
@@ -166,21 +201,41 @@ class Ingestor:
     ) -> None:
         """Add one (validated) rbatch to ``plan``."""
         if stats:
-            plan.relay_stats.setdefault(relay_sender, {}).update(stats)
+            kept, refused = clean_stats(stats)
+            plan.stats_refused += refused
+            if kept:
+                plan.relay_stats.setdefault(relay_sender, {}).update(kept)
         high_water, pending, known = plan.high_water, self.pending, self.known
         sources = plan.rank_sources
+        # Senders are counted only where the items could outnumber the cap.
+        admitted: set[str] | None = set() if len(items) > MAX_SENDERS_PER_RBATCH else None
         for sender, seq, body in items:
+            problem = sender_problem(sender) or seq_problem(seq)
+            if problem is None and admitted is not None and sender not in admitted:
+                if len(admitted) < MAX_SENDERS_PER_RBATCH:
+                    admitted.add(sender)
+                else:
+                    problem = f"more than {MAX_SENDERS_PER_RBATCH} senders in one rbatch"
+            if problem is not None:
+                plan.quarantined.append(Quarantined(relay_sender, sender, seq, problem, body))
+                continue
             state = high_water.get(sender)
             if state is not None:
                 # Already this plan's own (not yet shared with ``pending``): advance in place.
                 if seq <= state.last_seq:
                     plan.duplicates_discarded += 1
                     continue
+                if self._jumps(plan, relay_sender, sender, seq, body, state.last_seq):
+                    continue
                 state.last_seq = seq
             else:
                 prior = pending.get(sender) or known.get(sender)
                 if prior is not None and seq <= prior.last_seq:
                     plan.duplicates_discarded += 1
+                    continue
+                # A sender never seen may start anywhere (a database started mid-run): its
+                # id holds a random part, so nobody can claim it before it appears.
+                if prior is not None and self._jumps(plan, relay_sender, sender, seq, body, prior.last_seq):
                     continue
                 if prior is None:
                     state = RankState(rank_id=self.next_rank_id, last_seq=seq)
@@ -196,11 +251,33 @@ class Ingestor:
                 tables, partials = decode_batch(body)
             except ProtocolError as exc:
                 plan.bad_bodies += 1
-                log.warning("discarding a bad batch body from %s seq %d: %s", sender, seq, exc)
+                plan.quarantined.append(Quarantined(relay_sender, sender, seq, f"bad body: {exc}", body))
                 continue
+            steps = tables.get("steps")
+            if steps is not None:
+                nulled = _bound_durations(steps)
+                if nulled:
+                    plan.durations_nulled += nulled
+                    if partials is not None:
+                        # They counted the cells now NULL: the rows are folded instead.
+                        plan.partials_refused += 1
+                        partials = None
+            scalars = tables.get("scalars")
+            if scalars is not None:
+                _keep_nan(scalars)
             self._add_tables(plan, state.rank_id, sender, tables)
             if partials is not None:
                 self._add_partials(plan, state.rank_id, sender, seq, tables.get("steps"), partials)
+
+    @staticmethod
+    def _jumps(plan: Plan, relay: str, sender: str, seq: int, body: Any, mark: int) -> bool:
+        """Set the item aside (its sender's mark stays) when ``seq`` jumps too far past ``mark``."""
+        problem = seq_jump_problem(seq, mark)
+        if problem is None:
+            return False
+        plan.seq_jumps_refused += 1
+        plan.quarantined.append(Quarantined(relay, sender, seq, problem, body))
+        return True
 
     def _template(
         self, plan: Plan, sender: str, session: str | None, identity: dict[str, Any], node: dict[str, Any]
@@ -298,6 +375,12 @@ class Ingestor:
         keep: list[int] = []
         for i, (source, count) in enumerate(zip(cols[_DROP_SOURCE], cols[_DROP_COUNT], strict=True)):
             if isinstance(source, str) and isinstance(count, int):
+                # A delivery counter each: bounded in name, value and number per sender,
+                # as a relay's stats are (the row itself is stored regardless).
+                if not counter_ok(source, count) or source not in stored and len(stored) >= MAX_STATS_KEYS:
+                    plan.stats_refused += 1
+                    keep.append(i)
+                    continue
                 drops[source] = max(drops.get(source, 0), count)
                 if stored.get(source) == count:
                     continue
@@ -327,6 +410,8 @@ class Ingestor:
                 plan.full_rows[sender] = t
         plan.rank_sources.clear()
         self.pending.update(plan.high_water)
+        if plan.quarantined:
+            log.warning("setting aside %s", describe(plan.quarantined))
 
     def commit(self, plan: Plan) -> None:
         self.known.update(plan.high_water)
@@ -334,6 +419,15 @@ class Ingestor:
         for sender, state in plan.high_water.items():
             if self.pending.get(sender) is state:
                 del self.pending[sender]
+
+    def discard(self, plan: Plan) -> None:
+        """``plan`` failed while being staged: forget the marks it shared (the writer
+        stages nothing else until what is in flight has finished, see StoreWriter.run)
+        and the drops rows it noted."""
+        for sender, state in plan.high_water.items():
+            if self.pending.get(sender) is state:
+                del self.pending[sender]
+        self._drops_stored.clear()
 
     def rollback(self, plan: Plan) -> None:
         # Rank ids handed out by a failed plan are simply skipped; ids only need to be unique.
@@ -343,6 +437,31 @@ class Ingestor:
         # Its drops rows never reached the table: forget what was staged, so the resent
         # batches store them (at worst one repeat per sender).
         self._drops_stored.clear()
+
+
+def _bound_durations(steps: list[Column]) -> int:
+    """Replace, in a batch's steps columns, each duration beyond ``MAX_DURATION_NS``
+    either way with None; return how many. One C-level pass per column when none is."""
+    nulled = 0
+    for at in _DURATIONS:
+        col = steps[at]
+        # filter() drops the Nones (and zeros, harmless here) in C.
+        present = list(filter(None, col)) if None in col else col
+        if not present or (-MAX_DURATION_NS <= min(present) and max(present) <= MAX_DURATION_NS):
+            continue
+        bounded = [v if v is None or -MAX_DURATION_NS <= v <= MAX_DURATION_NS else None for v in col]
+        nulled += bounded.count(None) - col.count(None)
+        steps[at] = bounded
+    return nulled
+
+
+def _keep_nan(scalars: list[Column]) -> None:
+    """Store a NaN scalar as the text 'NaN' (SQLite would store a NaN REAL as NULL, and a
+    loss that went NaN would read as one never logged)."""
+    col = scalars[_SCALAR_VALUE]
+    if not any(map(math.isnan, filter(None, col) if None in col else col)):
+        return
+    scalars[_SCALAR_VALUE] = [NAN_TEXT if v is not None and v != v else v for v in col]
 
 
 TELEMETRY_TABLES = tuple(TABLES)

@@ -17,7 +17,6 @@ crash left unfolded (``ingest/resume.py``).
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import aiosqlite
 
 from traceml_daemon.ingest.backlog import StepBacklog
 from traceml_daemon.ingest.decode import RankState
+from traceml_daemon.ingest.quarantine import is_data_error
 from traceml_daemon.ingest.transactions import run_transaction
 from traceml_daemon.store import history
 from traceml_daemon.store.db_thread import on_db_thread
@@ -169,16 +169,34 @@ class HistoryFeed:
             self.pending = PendingHistory()
         # Not written: what was folded stays pending, ahead of anything folded later.
 
-    async def flush(self, db: aiosqlite.Connection) -> None:
-        """Write whatever history there is now, in a transaction of its own."""
+    async def flush(self, db: aiosqlite.Connection) -> bool:
+        """Write whatever history there is now, in a transaction of its own. False when
+        it could not be written for what it holds, and was let go."""
         head = self.take(force=True)
         if head is None:
-            return
+            return True
         try:
             await on_db_thread(db, run_transaction, [], head)
-        except (sqlite3.Error, OSError) as exc:
-            # Raw rows are safe; the next open catches history up from them.
-            log.error("history write failed: %s", exc)
-            self.written(head, False)
-            return
+        except Exception as exc:
+            if not is_data_error(exc):
+                # Raw rows are safe; the next open catches history up from them.
+                log.error("history write failed: %s", exc)
+                self.written(head, False)
+                return True
+            # Written alone it still fails: kept, it would fail every later write and
+            # every open's catch-up. The raw rows stay; their history is let go.
+            log.error("history write failed for what it holds (%s: %s): dropped, raw rows kept",
+                      type(exc).__name__, exc)
+            self.drop()
+            try:
+                await on_db_thread(db, run_transaction, [MARK_SQL])
+            except Exception as mark_exc:
+                log.error("history mark not written: %s", mark_exc)
+            return False
         self.written(head, True)
+        return True
+
+    def drop(self) -> None:
+        """Forget the history folded and not written; the samples go back to before it."""
+        self.reservoir.rollback(self.pending.reservoir)
+        self.pending = PendingHistory()

@@ -13,6 +13,8 @@ other job has a module of its own:
 
 * ``ingest/staging.py``: work items into a plan and its statements;
 * ``ingest/transactions.py``: one transaction, whole, on the database thread;
+* ``ingest/recovery.py``: a transaction that failed for its data, written apart,
+  what fails alone set aside (``ingest/quarantine.py``) and every batch acknowledged;
 * ``store/statements.py``: rows as multi-row statements (few GIL hand-offs);
 * ``ingest/history_feed.py``: committed steps folded into history, written when due;
 * ``ingest/resume.py``: what ``open()`` reads back, and history's catch-up;
@@ -26,21 +28,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiosqlite
 
+from traceml_daemon.ingest import quarantine
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.ingest.decode import Ingestor, Plan
 from traceml_daemon.ingest.history_feed import HistoryFeed, HistoryHead
 from traceml_daemon.ingest.hygiene import ProcessHygiene
 from traceml_daemon.ingest.live import Aggregates
+from traceml_daemon.ingest.quarantine import Quarantined, is_data_error
+from traceml_daemon.ingest.recovery import Outcome, write_apart
 from traceml_daemon.ingest.resume import catch_up_history, load_counters, load_ingestor, load_reservoir
-from traceml_daemon.ingest.staging import PLAN_COUNTERS, Staged, WorkItem, plan_adds, stage, with_counters
-from traceml_daemon.ingest.transactions import Chain, Skipped, run_chained
+from traceml_daemon.ingest.staging import (
+    PLAN_COUNTERS,
+    Staged,
+    WorkItem,
+    live_only,
+    plan_adds,
+    stage_live,
+    with_counters,
+)
+from traceml_daemon.ingest.transactions import Chain, Skipped, run_chained, run_transaction
 from traceml_daemon.net.inbound import ByteQueue
 from traceml_daemon.store.checkpointer import Checkpointer
 from traceml_daemon.store.db_thread import on_db_thread, require_private_api
@@ -62,8 +75,13 @@ class _Submitted:
     head: HistoryHead | None
     counters: dict[str, int]
     call: asyncio.Future[Any] | None
+    chain: Chain
     # Done once ``_finish`` has run (committed or not): the next one finishes after it.
     finished: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # Set by ``_finish``: per work item, whether to acknowledge it; and whether every
+    # one was stored or set aside (committed whole, or written apart to the end).
+    acks: list[bool] | None = None
+    settled: bool = False
 
 
 class StoreWriter:
@@ -113,28 +131,46 @@ class StoreWriter:
         self._chain = Chain()
         # Test hook: awaited before every transaction (a test can stall the writer with it).
         self.before_write: Callable[[], Any] | None = None
+        # Told the batches each committed transaction set aside (``traceml-daemon ingest``
+        # names them in its report).
+        self.on_quarantine: Callable[[list[Quarantined]], Any] | None = None
 
     async def open(self) -> None:
         require_private_api()
         await asyncio.to_thread(migrate, self.path)
         if self.tune_gil:
             self.hygiene.start()
-        self._db = db = await aiosqlite.connect(self.path, isolation_level=None)
-        for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
-            await db.execute(pragma)
-        self.ingestor = await load_ingestor(db)
-        await load_reservoir(db, self.history.reservoir)
-        stored = await load_counters(db)
-        self.counters.load(stored)
-        self._stored_counters = dict(stored)
-        states = {s.rank_id: s for s in self.ingestor.known.values()}
-        if await catch_up_history(db, self.history, states):
-            await self._flush_history_now()
+        try:
+            self._db = db = await aiosqlite.connect(self.path, isolation_level=None)
+            for pragma in [*PRAGMAS, *self.policy.writer_pragmas()]:
+                await db.execute(pragma)
+            self.ingestor = await load_ingestor(db)
+            await load_reservoir(db, self.history.reservoir)
+            stored = await load_counters(db)
+            self.counters.load(stored)
+            self._stored_counters = dict(stored)
+            states = {s.rank_id: s for s in self.ingestor.known.values()}
+            if await catch_up_history(db, self.history, states):
+                await self._flush_history_now()
+        except BaseException:
+            # The connection's thread would keep the process alive after a failed open.
+            await self._release()
+            raise
         self.checkpointer.start()  # last: an open() that failed leaves no thread behind
+
+    async def _release(self) -> None:
+        """Close the connection (if open) and undo the process settings, whatever fails."""
+        try:
+            if self._db is not None:
+                db, self._db = self._db, None
+                await db.close()
+        finally:
+            self.hygiene.stop()
 
     async def _flush_history_now(self) -> None:
         assert self._db is not None
-        await self.history.flush(self._db)
+        if not await self.history.flush(self._db):
+            self.counters.history_writes_dropped += 1
 
     def statistics(self) -> dict[str, int]:
         """Sizes of what the writer keeps between transactions (memory diagnosis)."""
@@ -144,13 +180,13 @@ class StoreWriter:
         }
 
     async def close(self) -> None:
-        if self._db is not None:
-            await self.write([])  # persist the final counters
-            await self._flush_history_now()
+        try:
+            if self._db is not None:
+                await self._flush_history_now()
+                await self.write([])  # persist the final counters
+        finally:
             await asyncio.to_thread(self.checkpointer.stop)
-            await self._db.close()
-            self._db = None
-        self.hygiene.stop()
+            await self._release()
 
     def maybe_collect_garbage(self) -> int | None:
         """See ``ProcessHygiene.maybe_collect_garbage``."""
@@ -207,8 +243,9 @@ class StoreWriter:
             failed = False
             # Wait for every earlier transaction where this one must follow them all:
             # history is written only with nothing ahead of it (its fold needs their
-            # committed steps), and after a failure the chain starts anew.
-            settle = self.history.due_now(False) or self._chain.broken
+            # committed steps), after a failure the chain starts anew, and work whose
+            # staging failed is written apart behind everything else.
+            settle = self.history.due_now(False) or self._chain.broken or staged.error is not None
             while writing and (settle or failed or len(writing) > 1 or writing[0].done()):
                 failed = not await writing.popleft() or failed
             if failed:
@@ -218,41 +255,56 @@ class StoreWriter:
             ahead = last.finished if writing and last is not None else None
             last = await self._submit(staged)
             writing.append(asyncio.create_task(self._write_and_ack(last, queue, ahead)))
+            if staged.error is not None:
+                # Nothing may be staged before its items, written apart now, set their marks.
+                await writing.pop()
         while writing:
             await writing.popleft()
 
     async def _write_and_ack(
         self, submitted: _Submitted, queue: ByteQueue[WorkItem], ahead: asyncio.Future[None] | None
     ) -> bool:
-        ok = False
+        """Finish ``submitted`` and acknowledge its batches (or fail them); True when it
+        committed as staged (False: what was staged after it must be staged again)."""
+        clean = False
         try:
             if ahead is not None:
                 # Transactions finish in the order they were handed over (their
                 # counters, marks and steps build on the ones before).
                 await asyncio.wait([ahead])
-            ok = await self._finish(submitted)
+            clean = await self._finish(submitted)
         finally:
             if not submitted.finished.done():
                 submitted.finished.set_result(None)
             staged = submitted.staged
             await queue.release(staged.taken_bytes)
-            for item in staged.work:
+            acks = submitted.acks or [False] * len(staged.work)
+            for item, ok in zip(staged.work, acks, strict=True):
                 if item.done is not None:
                     item.done(ok)
         await self.maybe_enforce_retention()
-        return ok
+        return clean
 
     def stage(self, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
-        """Decode ``work`` into one transaction (pure CPU, the event loop's share)."""
-        return stage(self.ingestor, work, taken_bytes)
+        """Decode ``work`` into one transaction (pure CPU, the event loop's share). Should
+        staging fail, ``Staged.error`` says so and the work is written apart."""
+        work = live_only(work)
+        try:
+            return stage_live(self.ingestor, work, taken_bytes)
+        except Exception as exc:
+            log.error("staging %d batches failed (%s: %s): writing them apart", len(work), type(exc).__name__, exc)
+            return Staged(work, taken_bytes, Plan(), [], error=exc)
 
     async def write(self, work: list[WorkItem]) -> bool:
         """Write ``work`` (possibly empty: counters only) in one transaction."""
         return await self.write_staged(self.stage(work))
 
     async def write_staged(self, staged: Staged) -> bool:
-        """Write ``staged`` in one transaction and wait for it (and anything ahead of it)."""
-        return await self._finish(await self._submit(staged))
+        """Write ``staged`` in one transaction and wait for it (and anything ahead of it);
+        True when every batch of it is stored or set aside."""
+        submitted = await self._submit(staged)
+        await self._finish(submitted)
+        return submitted.settled
 
     async def _submit(self, staged: Staged) -> _Submitted:
         """Hand ``staged`` to the database thread, behind whatever it is running.
@@ -262,6 +314,8 @@ class StoreWriter:
         assert self._db is not None, "open() first"
         if self.before_write is not None:
             await self.before_write()
+        if staged.error is not None:
+            return _Submitted(staged, None, {}, None, self._chain)  # written apart by _finish
         plan = staged.plan
         counters = self.counters.as_dict()
         adds = plan_adds(plan)
@@ -272,7 +326,7 @@ class StoreWriter:
         # they are written. So history goes only with nothing ahead (``run`` waits).
         head = self.history.take(force=False) if self._in_flight == 0 else None
         if plan.empty and counters == self._stored_counters and head is None:
-            return _Submitted(staged, None, counters, None)
+            return _Submitted(staged, None, counters, None, self._chain)
         db = self._db
         statements = with_counters(staged, counters)
         if self._in_flight == 0 and self._chain.broken:
@@ -289,37 +343,99 @@ class StoreWriter:
         )
         # Let the call reach the database thread's queue now, in submission order.
         await asyncio.sleep(0)
-        return _Submitted(staged, head, counters, call)
+        return _Submitted(staged, head, counters, call, self._chain)
 
     async def _finish(self, submitted: _Submitted) -> bool:
-        """Wait for a submitted transaction; on COMMIT, commit its plan and queue its steps."""
+        """Wait for a submitted transaction; on COMMIT, commit its plan and queue its steps.
+        True when it committed as staged; else it was rolled back, and written apart
+        (ingest/recovery.py) when it failed for its data. ``submitted.acks`` says which
+        batches to acknowledge either way."""
         staged, head, counters = submitted.staged, submitted.head, submitted.counters
         plan = staged.plan
-        if submitted.call is None:
+        failure: Exception | None = staged.error
+        if submitted.call is not None:
+            try:
+                await submitted.call
+            except Exception as exc:
+                failure = exc
+                self.ingestor.rollback(plan)
+                self.history.written(head, False)
+                self._stored_counters = None  # what was stored is unknown: store them next time
+            finally:
+                self._in_flight -= 1
+                for name, add in zip(PLAN_COUNTERS, plan_adds(plan), strict=True):
+                    self._uncommitted[name] -= add
+        if failure is not None:
+            return await self._recover(submitted, failure)
+        if submitted.call is None:  # nothing to write: its plan holds no marks either
             self.ingestor.commit(plan)
-            return True
-        try:
-            await submitted.call
-        except (sqlite3.Error, OSError, Skipped) as exc:
-            if isinstance(exc, Skipped):
-                log.error("write of %d batches skipped behind a failed one, not acknowledged", len(staged.work))
-            else:
-                log.error("write of %d batches failed, not acknowledged: %s", len(staged.work), exc)
-            self.ingestor.rollback(plan)
-            self.history.written(head, False)
-            self._stored_counters = None  # what was stored is unknown: store them next time
-            return False
-        finally:
-            self._in_flight -= 1
-            for name, add in zip(PLAN_COUNTERS, plan_adds(plan), strict=True):
-                self._uncommitted[name] -= add
-        self.history.written(head, True)
+        else:
+            self.history.written(head, True)
+            self._committed(plan, counters)
+        submitted.acks, submitted.settled = [True] * len(staged.work), True
+        return True
+
+    def _committed(self, plan: Plan, counters: dict[str, int]) -> None:
+        """``plan`` committed with ``counters`` stored: its marks, counters and steps are current."""
         self.ingestor.commit(plan)
         for name in PLAN_COUNTERS:
             setattr(self.counters, name, counters[name])
         if plan.steps_by_rank:
             self._queue_committed(plan)
-        return True
+        if plan.quarantined and self.on_quarantine is not None:
+            self.on_quarantine(plan.quarantined)
+
+    async def _recover(self, submitted: _Submitted, failure: Exception) -> bool:
+        """After ``submitted`` failed (or was skipped behind a failure): when the data was
+        at fault, write its work apart and set aside what fails alone; else leave it
+        all unacknowledged, for the relays to resend. Returns False (not as staged)."""
+        work = submitted.staged.work
+        skipped = isinstance(failure, Skipped)
+        # The transactions queued behind a failure learn from it whether to retry.
+        recoverable = submitted.chain.recoverable if skipped else is_data_error(failure)
+        if not skipped:
+            submitted.chain.recoverable = recoverable
+        submitted.acks = [False] * len(work)
+        if not recoverable:
+            if skipped:
+                log.error("write of %d batches skipped behind a failed one, not acknowledged", len(work))
+            else:
+                log.error("write of %d batches failed, not acknowledged: %s", len(work), failure)
+            return False
+        if not skipped:
+            log.warning("write of %d batches failed for its data (%s: %s): writing them apart",
+                        len(work), type(failure).__name__, failure)
+        if submitted.head is not None:
+            await self._flush_history_now()  # it was part of the failure: alone, it is dropped if it fails
+        submitted.acks, submitted.settled = await write_apart(work, self._write_alone, whole_first=skipped)
+        return False
+
+    async def _write_alone(self, work: list[WorkItem], entries: list[Quarantined]) -> tuple[Outcome, Exception | None]:
+        """Stage ``work`` and write it, with ``entries`` set aside, in one transaction of
+        its own (``write_apart``'s writes: whatever was queued behind the failure is
+        skipped, so the counters are the committed ones plus this plan's)."""
+        assert self._db is not None
+        try:
+            staged = stage_live(self.ingestor, work)
+        except Exception as exc:
+            return Outcome.DATA, exc
+        plan = staged.plan
+        if entries:
+            plan.quarantined += entries
+            staged.statements += quarantine.statements(entries, time.time())
+        counters = self.counters.as_dict()
+        for name, add in zip(PLAN_COUNTERS, plan_adds(plan), strict=True):
+            counters[name] += add
+        try:
+            statements = with_counters(staged, counters)
+            await on_db_thread(self._db, run_transaction, statements, None, False, staged.tables)
+        except Exception as exc:
+            self.ingestor.rollback(plan)
+            self._stored_counters = None
+            return (Outcome.DATA if is_data_error(exc) else Outcome.OTHER), exc
+        self._stored_counters = counters
+        self._committed(plan, counters)
+        return Outcome.STORED, None
 
     def _queue_committed(self, plan: Plan) -> None:
         """Hand a committed plan's steps to the history backlog and the live aggregates."""

@@ -74,6 +74,13 @@ async def catch_up_history(db: aiosqlite.Connection, feed: HistoryFeed, states: 
                 col.append(values[at])
     if not by_rank:
         return False
-    feed.fold(((rank_id, cols, None) for rank_id, cols in by_rank.items()), states)
+    try:
+        feed.fold(((rank_id, cols, None) for rank_id, cols in by_rank.items()), states)
+    except Exception as exc:
+        # Rows an older daemon stored that history cannot read: the daemon must still open.
+        log.error("history catch-up failed (%s: %s): those rows stay out of history", type(exc).__name__, exc)
+        feed.drop()
+        await db.execute(MARK_SQL[0], MARK_SQL[1])
+        return False
     log.info("history caught up on %d ranks' unfolded steps", len(by_rank))
     return True

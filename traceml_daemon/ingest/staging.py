@@ -4,8 +4,9 @@
 identity) into a ``Plan`` and the statements that write it: multi-row INSERTs per
 telemetry table (built later, on the database thread), the ranks upsert, and a
 narrow ranks update for senders whose identity is already committed (rank id,
-last seen, last seq: all the dedup mark needs). ``with_counters`` adds the
-delivery counters at hand-over time. Pure CPU, the event loop's share.
+last seen, last seq: all the dedup mark needs), and the rows of the batches set
+aside (``ingest/quarantine.py``). ``with_counters`` adds the delivery counters
+at hand-over time. Pure CPU, the event loop's share.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceml_daemon.ingest import quarantine
 from traceml_daemon.ingest.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
 from traceml_daemon.ingest.decode import RANK_COLUMNS, TABLE_COLUMNS, Ingestor, Plan
 from traceml_daemon.store.statements import SqlParts, Statement, chunk_statements, multi_row_tuples
@@ -51,6 +53,9 @@ class Staged:
     # on the database thread inside the transaction, so the event loop goes on to
     # stage the next transaction instead of flattening rows.
     tables: list[Callable[[], list[Statement]]] = field(default_factory=list)
+    # Set when staging ``work`` failed as a whole (nothing of it is in ``plan``): the
+    # writer then writes its items apart (ingest/recovery.py).
+    error: Exception | None = None
 
 
 # Tables holding one row per rank (schema v3): a new row replaces the rank's last.
@@ -96,7 +101,18 @@ _EXACT_PARTS: SqlParts = (
 
 # The daemon counters a plan adds to, each a Plan field of the same name (the rest are
 # counted live by the server).
-PLAN_COUNTERS = ("rows_stored", "duplicates_discarded", "bad_bodies", "partials_refused")
+PLAN_COUNTERS = (
+    "rows_stored",
+    "duplicates_discarded",
+    "bad_bodies",
+    "partials_refused",
+    "batches_quarantined",
+    "seq_jumps_refused",
+    "stats_refused",
+    "durations_nulled",
+    "senders_without_identity",
+    "identity_fields_refused",
+)
 
 
 def plan_adds(plan: Plan) -> list[int]:
@@ -108,19 +124,36 @@ def _table_statements(table: str, chunks: list[tuple[int, list[Column]]]) -> lis
     return chunk_statements(_TABLE_PARTS[table], chunks)
 
 
-def stage(ingestor: Ingestor, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
-    """Decode ``work`` into one transaction against ``ingestor``'s dedup marks.
-
-    A batch whose connection has failed since it was queued is dropped, not
-    acknowledged: its relay resends it, after the failed one, on a new connection."""
+def live_only(work: list[WorkItem]) -> list[WorkItem]:
+    """``work`` less the batches whose connection has failed since they were queued:
+    those are dropped here, not acknowledged, and their relay resends them, after the
+    failed one, on a new connection."""
     kept: list[WorkItem] = []
     for item in work:
         if item.live is None or item.live():
             kept.append(item)
         elif item.done is not None:
             item.done(False)
-    work = kept
+    return kept
+
+
+def stage(ingestor: Ingestor, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
+    """Decode ``work`` into one transaction against ``ingestor``'s dedup marks
+    (after ``live_only``)."""
+    return stage_live(ingestor, live_only(work), taken_bytes)
+
+
+def stage_live(ingestor: Ingestor, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
+    """``stage`` for work whose dead connections were dropped already."""
     plan = Plan()
+    try:
+        return _stage_into(plan, ingestor, work, taken_bytes)
+    except Exception:
+        ingestor.discard(plan)
+        raise
+
+
+def _stage_into(plan: Plan, ingestor: Ingestor, work: list[WorkItem], taken_bytes: int) -> Staged:
     now = time.time()
     for item in work:
         ingestor.stage(
@@ -139,6 +172,8 @@ def stage(ingestor: Ingestor, work: list[WorkItem], taken_bytes: int = 0) -> Sta
         statements += multi_row_tuples(_RANK_PARTS, plan.ranks.values())
     if plan.rank_touches:
         statements += multi_row_tuples(_RANK_TOUCH_PARTS, plan.rank_touches)
+    if plan.quarantined:
+        statements += quarantine.statements(plan.quarantined, now)
     tables = [functools.partial(_table_statements, table, chunks) for table, chunks in plan.chunks.items()]
     return Staged(work, taken_bytes, plan, statements, tables)
 

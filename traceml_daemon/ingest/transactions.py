@@ -59,9 +59,12 @@ class Skipped(Exception):
 class Chain:
     """Transactions queued on the database thread one behind another. Each was staged
     against the dedup marks of those ahead of it, so once one fails (``broken``, set on
-    the database thread) the ones behind it must not commit either."""
+    the database thread) the ones behind it must not commit either. ``recoverable``
+    (set in the event loop by the failed one, before the ones behind it finish): the
+    failure was its data's, so those are staged again and written, not left unacknowledged."""
 
     broken: bool = False
+    recoverable: bool = False
 
 
 def run_chained(conn: sqlite3.Connection, queued: Chain, *args: Any) -> None:

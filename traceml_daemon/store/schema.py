@@ -12,7 +12,7 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -322,8 +322,32 @@ def _v6() -> list[str]:
     ]
 
 
+# ------------------------------------------- v7: quarantine, and non-finite scalars found cheaply
+# A batch that cannot be stored (it fails validation, or a transaction holding it
+# fails and it fails again alone) is set aside here with its sender, seq and the
+# reason, so the daemon acknowledges it and goes on instead of retrying it into a
+# crash (traceml_daemon/ingest/quarantine.py). Only text the daemon cut short and
+# bytes: nothing in a row can fail to store for the data it describes. ``seq`` is
+# text because a refused seq may not fit an INTEGER.
+#
+# SQLite stores a NaN REAL as NULL, so a scalar that went NaN is stored as the text
+# 'NaN' (float('NaN') reads it back); infinities are REALs as they are. Readers
+# find a run's non-finite scalars through this partial index, which holds only
+# those rows, by repeating its WHERE expression, ``NONFINITE_SCALAR``.
+
+NONFINITE_SCALAR = "value = 'NaN' OR value IN (9e999, -9e999)"
+
+
+def _v7() -> list[str]:
+    return [
+        "CREATE TABLE quarantine (id INTEGER PRIMARY KEY, ts REAL NOT NULL, relay TEXT, sender TEXT, seq TEXT, "
+        "reason TEXT NOT NULL, body BLOB, body_bytes INTEGER NOT NULL DEFAULT 0)",
+        f"CREATE INDEX scalars_nonfinite ON scalars (rank_id, name, step) WHERE {NONFINITE_SCALAR}",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.traceml_daemon.history_support import batch, failing_inserts, raw_buckets, ro, stored_buckets
+from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
+from tests.traceml_daemon.ingest.faults import failing_inserts
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.ingest.live import FOLD_ROWS, Aggregates
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
@@ -324,7 +325,8 @@ def test_an_idle_writer_waits_for_more_before_a_small_transaction(tmp_path: Path
 
 
 def test_a_transaction_queued_behind_a_failed_one_is_not_committed_and_resending_loses_nothing(tmp_path: Path) -> None:
-    """Transaction 2 fails inside SQLite while 3 may already be queued behind it on the
+    """Transaction 2 fails inside SQLite, for a reason its data does not cause (as a
+    full disk or an I/O error would), while 3 may already be queued behind it on the
     database thread (staged against 2's dedup marks). 3 is then skipped, not committed,
     and 4, from the same (now closed) connection, is dropped unstored: committing it
     would make the resent 2 and 3 duplicates of a later seq. Whatever was not
@@ -333,7 +335,7 @@ def test_a_transaction_queued_behind_a_failed_one_is_not_committed_and_resending
     import dataclasses
 
     db = tmp_path / "f.db"
-    conn = failing_inserts(db, "steps", when="NEW.step = 15")  # in transaction 2
+    conn = failing_inserts(db, "steps", when="NEW.step = 15", kind="io")  # in transaction 2
     acked: dict[int, bool] = {}
     connection_failed = [False]  # as the server's AckWriter: closed at the first failure
 

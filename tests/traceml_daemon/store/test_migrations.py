@@ -58,10 +58,10 @@ def _database_at(db: Path, version: int) -> sqlite3.Connection:
 def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
-    assert SCHEMA_VERSION == 6
-    assert migrate(str(db)) == 6
+    assert SCHEMA_VERSION == 7
+    assert migrate(str(db)) == 7
     conn = ro(db)
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "6"
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "7"
     for level in HISTORY_LEVELS:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.traceml_daemon.history_support import failing_inserts
+from tests.traceml_daemon.ingest.faults import failing_inserts
 from tests.traceml_daemon.wire_client import RELAY, agent_sender, steps_body
 from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
@@ -158,7 +158,8 @@ def test_drops_rows_are_stored_when_a_counter_changes_not_when_it_repeats(tmp_pa
 
 def test_a_failed_write_does_not_lose_the_drops_rows_of_its_resent_batches(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
-    conn = failing_inserts(db, "drops")  # a real SQLite error inside the transaction while the flag is set
+    # A real SQLite error inside the transaction while the flag is set, not the data's fault.
+    conn = failing_inserts(db, "drops", kind="io")
     body = encode_body({"drops": {"ts": [1.0], "source": ["steps_dropped"], "count": [4]}})
 
     async def go() -> None:
