@@ -2,8 +2,12 @@
 
 A spool record is a packed ``rbatch``, so replaying one goes through exactly
 the live path (Ingestor + StoreWriter): the same dedup applies, and a spool
-whose batches already arrived live adds nothing. A damaged spool is read up to
-its first bad record; that offset is reported and the rest is skipped.
+whose batches already arrived live adds nothing. A record that is intact (its
+CRC holds) but not a valid rbatch is skipped, an item the writer sets aside
+(``traceml_daemon/ingest/quarantine.py``) is kept in ``quarantine``, and
+everything around them is stored; the report line names each (byte offset of
+its record, reason). A record whose CRC fails ends the file's reading there:
+its length cannot be trusted to find the next one.
 
 Order matters: the daemon dedups by a per-sender high-water mark, so an agent
 batch staged after a later one of the same sender would be discarded as a
@@ -39,10 +43,15 @@ from typing import Any
 import msgpack
 
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
+from traceml_daemon.ingest.quarantine import Quarantined
 from traceml_wire import messages, spool
+from traceml_wire.bounds import clean_stats
 from traceml_wire.errors import ProtocolError
+from traceml_wire.printable import printable
 
 TXN_BYTES = 32 * 1024 * 1024
+NAMED = 20  # bad records a report line names; the rest are counted
+_RECORD_HEADER = 8  # a spool record's length and CRC, before its body (traceml_wire/spool.py)
 MAX_OPEN_FILES = 64  # bodies are read back by offset; cap the descriptors held meanwhile
 # msgpack bin8/bin16/bin32 markers and their header sizes: an item body's bytes
 # start right after the header, so the index can point into the file.
@@ -63,6 +72,9 @@ class SpoolReport:
     relay_dropped: int = 0  # agent batches the relay had counted as dropped: skipped
     bad_offset: int | None = None
     reason: str = ""
+    # (byte offset of the record, reason) of every record skipped, item set aside or
+    # relay counter refused, in file order.
+    bad: list[tuple[int, str]] = field(default_factory=list)
 
     def line(self) -> str:
         text = (
@@ -73,16 +85,20 @@ class SpoolReport:
             text += f", {self.relay_dropped} batches the relay had counted as dropped skipped"
         if self.invalid_records:
             text += f", {self.invalid_records} invalid records skipped"
+        if self.bad:
+            named = "; ".join(f"byte {offset}: {reason}" for offset, reason in sorted(self.bad)[:NAMED])
+            more = f"; and {len(self.bad) - NAMED} more" if len(self.bad) > NAMED else ""
+            text += f", {len(self.bad)} bad (" + named + more + ")"
         if self.bad_offset is not None:
             text += f"; stopped at byte {self.bad_offset}: {self.reason}"
-        return text
+        return printable(text, limit=1 << 20)
 
 
 # One agent batch found in a spool: (seq, file index, body offset in the file,
 # body length, the sender's identity, the relay's node identity, the relay's sender
-# (None for spools that do not name it), the rbatch seq). Identity dicts are shared
-# between entries through the validator's identity cache.
-Entry = tuple[int, int, int, int, dict[str, Any], dict[str, Any], str | None, int]
+# (None for spools that do not name it), the rbatch seq, the offset of its record).
+# Identity dicts are shared between entries through the validator's identity cache.
+Entry = tuple[int, int, int, int, dict[str, Any], dict[str, Any], str | None, int, int]
 
 
 @dataclass
@@ -141,20 +157,25 @@ def index_file(path: str, number: int, index: SpoolIndex, report: SpoolReport) -
         reader = spool.RecordReader(fh)
         for body_offset, record in reader:
             report.records += 1
+            at = body_offset - _RECORD_HEADER  # where the record starts
             try:
                 message, spans = parse_rbatch(record)
                 if message["t"] != messages.RELAY_BATCH:
                     raise ProtocolError(f"not an rbatch: {message['t']!r}")
                 message = messages.validate_client_message(message, index.identities)
-            except ProtocolError:
+            except Exception as exc:  # ProtocolError, or whatever else a corrupt record raises
                 report.invalid_records += 1
+                report.bad.append((at, str(exc) if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"))
                 continue
             report.rbatches += 1
             peers, node, relay, rseq = message["peers"], message["node"], message["sender"], message["seq"]
             for (sender, seq, _), (offset, length) in zip(message["items"], spans, strict=True):
                 identity = peers.get(sender) or _NO_IDENTITY
-                entry = (seq, number, body_offset + offset, length, identity, node, relay, rseq)
+                entry = (seq, number, body_offset + offset, length, identity, node, relay, rseq, at)
                 index.by_sender.setdefault(sender, []).append(entry)
+            refused = clean_stats(message["stats"])[1]
+            if refused:
+                report.bad.append((at, f"{refused} relay counters refused (bad name or value, or beyond the cap)"))
             if relay is None:
                 continue
             if message["spool_dropped_upto"] > index.dropped_upto.get(relay, 0):
@@ -218,8 +239,12 @@ class _Transaction:
         self.work: list[WorkItem] = []
         self.file: int | None = None  # the file of every new (non-duplicate) item in it
         self.bytes = 0
+        self.records: dict[tuple[str, int], int] = {}  # (sender, seq) -> offset of its record
 
-    def add(self, sender: str, seq: int, body: bytes, identity: dict[str, Any], node: dict[str, Any]) -> None:
+    def add(
+        self, sender: str, seq: int, body: bytes, identity: dict[str, Any], node: dict[str, Any], record: int = 0
+    ) -> None:
+        self.records[(sender, seq)] = record
         last = self.work[-1] if self.work else None
         # One work item holds many senders' batches as long as they share the node and
         # each sender keeps the identity it had there.
@@ -234,11 +259,21 @@ class _Transaction:
 async def _write(writer: StoreWriter, txn: _Transaction, reports: list[SpoolReport], db_path: str) -> None:
     if not txn.work:
         return
-    staged = writer.stage(txn.work)
-    if not await writer.write_staged(staged):
+    before = writer.counters.rows_stored
+    set_aside: list[Quarantined] = []
+    writer.on_quarantine = set_aside.extend
+    try:
+        ok = await writer.write_staged(writer.stage(txn.work))
+    finally:
+        writer.on_quarantine = None
+    if not ok:
         raise OSError(f"writing {db_path} failed")
     if txn.file is not None:
-        reports[txn.file].rows_stored += staged.plan.rows_stored
+        report = reports[txn.file]
+        report.rows_stored += writer.counters.rows_stored - before
+        for entry in set_aside:
+            record = txn.records.get((entry.sender, entry.seq)) if isinstance(entry.sender, str) else None
+            report.bad.append((-1 if record is None else record, f"batch set aside: {entry.reason}"))
 
 
 async def ingest_spools(paths: list[str], db_path: str) -> list[SpoolReport]:
@@ -256,7 +291,7 @@ async def ingest_spools(paths: list[str], db_path: str) -> list[SpoolReport]:
         # The database's own marks first (an earlier ingest, or the live run).
         high = {sender: writer.ingestor.last_seq(sender) for sender in index.by_sender}
         txn = _Transaction()
-        for sender, (seq, number, offset, length, identity, node, relay, rseq) in _in_order(index):
+        for sender, (seq, number, offset, length, identity, node, relay, rseq, at) in _in_order(index):
             if relay is not None and rseq <= index.dropped_upto.get(relay, 0):
                 # Counted as lost by its relay (and reported so): storing it would count it twice.
                 reports[number].relay_dropped += 1
@@ -265,14 +300,14 @@ async def ingest_spools(paths: list[str], db_path: str) -> list[SpoolReport]:
                 # The writer discards it (and counts it) before reading the body, as the
                 # live path does; its bytes need not be read at all.
                 reports[number].duplicates_discarded += 1
-                txn.add(sender, seq, b"", identity, node)
+                txn.add(sender, seq, b"", identity, node, at)
                 continue
             high[sender] = seq
             if txn.bytes >= TXN_BYTES or (txn.file is not None and txn.file != number):
                 await _write(writer, txn, reports, db_path)
                 txn = _Transaction()
             txn.file = number
-            txn.add(sender, seq, bodies.read(number, offset, length), identity, node)
+            txn.add(sender, seq, bodies.read(number, offset, length), identity, node, at)
         await _write(writer, txn, reports, db_path)
         # Relay counters last, in one transaction of their own (items-less rbatches).
         stats = [

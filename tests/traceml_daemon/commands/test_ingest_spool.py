@@ -12,6 +12,7 @@ import pytest
 from tests.support.procs import base_env
 from tests.traceml_daemon.wire_client import agent_sender, count_steps, steps_body
 from traceml_wire import messages, spool
+from traceml_wire.body import encode_body
 from traceml_wire.framing import pack_message
 
 A0, A1 = agent_sender("s1", 0), agent_sender("s1", 1)
@@ -132,3 +133,89 @@ def test_parse_rbatch_locates_every_body_and_refuses_what_the_live_path_refuses(
     for broken in (record + b"\x00", record[:-1], b"\x93\x01\x02\x03"):
         with pytest.raises(ProtocolError):
             parse_rbatch(broken)
+
+
+def quarantined(db: Path) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT sender, seq, reason FROM quarantine ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+def test_bad_records_with_valid_crcs_are_named_and_everything_around_them_stored(tmp_path: Path) -> None:
+    """Intact records that cannot be stored as they are: one not an rbatch, one whose
+    item seq is beyond int64, one whose relay counter is a uint64. The good records
+    before, between and after them are stored, each bad one named by offset and reason."""
+    relay = "relay/s1/n0/9-r"
+    good = [pack_message(messages.relay_batch(s, [batch(A0, s)], PEERS, {"node_rank": 0}, {}, sender=relay))
+            for s in (1, 2, 3, 4)]
+    records = [
+        good[0],
+        pack_message({"t": "rbatch", "seq": 7, "items": {"not": "a list"}}),
+        good[1],
+        pack_message(messages.relay_batch(8, [[A1, 2**64 - 1, steps_body(0, 10)]], PEERS, {"node_rank": 0}, {},
+                                          sender=relay)),
+        good[2],
+        pack_message(messages.relay_batch(9, [], PEERS, {"node_rank": 0}, {"dropped_batches": 2**64 - 1,
+                                                                             "spooled_batches": 5}, sender=relay)),
+        good[3],
+    ]
+    data = bytearray(spool.MAGIC)
+    offsets = []
+    for record in records:
+        offsets.append(len(data))
+        data += spool.encode_record(record)
+    spool_file, db = tmp_path / "relay.spool", tmp_path / "run.db"
+    spool_file.write_bytes(bytes(data))
+    done = ingest(db, spool_file)
+    assert done.returncode == 0, done.stderr
+    assert step_numbers(db) == {0: list(range(10, 50))}
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"{spool_file}: 7 records, 40 rows stored"), line
+    assert "1 invalid records skipped, 3 bad (" in line, line
+    assert f"byte {offsets[1]}: record is not a packed map: ValueError" in line, line
+    assert f"byte {offsets[3]}: batch set aside: seq outside 1..2**63-1" in line, line
+    assert f"byte {offsets[5]}: 1 relay counters refused" in line, line
+    assert quarantined(db) == [(A1, str(2**64 - 1), "seq outside 1..2**63-1")]
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    relay_counters = dict(conn.execute("SELECT counter, value FROM delivery WHERE source=?", ("relay:" + relay,)))
+    assert relay_counters == {"spooled_batches": 5}
+    daemon = dict(conn.execute("SELECT counter, value FROM delivery WHERE source='daemon'"))
+    conn.close()
+    assert (daemon["batches_quarantined"], daemon["stats_refused"]) == (1, 1)
+
+
+def test_a_spool_beyond_every_bound_is_ingested_within_them(tmp_path: Path) -> None:
+    """What a spool may hold that no frame lets through (traceml_wire/framing.py): 20,000
+    senders of 1 KB, an 8 MB sender and 50,000 counters in one record. The daemon's own
+    bounds (traceml_wire/bounds.py) apply, every sender there is too long, and the good
+    record after it is stored exactly."""
+    from traceml_wire.bounds import MAX_STATS_KEYS
+
+    relay = "relay/s1/n0/9-r"
+    empty = encode_body({})
+    many = [[f"{i:05d}" + "x" * 1019, 1, empty] for i in range(20_000)]
+    hostile = messages.relay_batch(1, [["h" * (8 << 20), 1, steps_body(0, 5)], *many], {}, {"node_rank": 0},
+                                   {f"counter_{i}": i for i in range(50_000)}, sender=relay)
+    follow = messages.relay_batch(2, [batch(A0, 1)], PEERS, {"node_rank": 0}, {}, sender=relay)
+    spool_file, db = tmp_path / "relay.spool", tmp_path / "run.db"
+    spool_file.write_bytes(spool.MAGIC + spool.encode_record(pack_message(hostile))
+                           + spool.encode_record(pack_message(follow)))
+    done = ingest(db, spool_file)
+    assert done.returncode == 0, done.stderr
+    assert step_numbers(db) == {0: list(range(10, 20))}
+    set_aside = 20_000 + 1
+    line = done.stdout.strip().splitlines()[-1]
+    assert f"{set_aside + 1} bad (byte 8: 49936 relay counters refused" in line, line
+    assert "byte 8: batch set aside: sender of 1024 characters (at most 256)" in line, line
+    assert line.endswith(f"; and {set_aside + 1 - 20} more)"), line
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    assert conn.execute("SELECT count(*) FROM ranks").fetchone() == (1,)
+    assert conn.execute("SELECT count(*) FROM delivery WHERE source=?", ("relay:" + relay,)).fetchone() == (
+        MAX_STATS_KEYS,)
+    daemon = dict(conn.execute("SELECT counter, value FROM delivery WHERE source='daemon'"))
+    assert (daemon["batches_quarantined"], daemon["stats_refused"]) == (set_aside, 50_000 - MAX_STATS_KEYS)
+    # The table keeps its newest rows, each sender cut short.
+    assert conn.execute("SELECT count(*), max(length(sender)) < 400 FROM quarantine").fetchone() == (10_000, 1)
+    conn.close()
