@@ -32,6 +32,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 from traceml_daemon.ingest.quarantine import Quarantined, describe
@@ -146,6 +148,8 @@ _DROP_COUNT = TABLE_COLUMNS["drops"].index("count")
 _SCALAR_VALUE = TABLE_COLUMNS["scalars"].index("value")
 # The steps columns that hold durations (history's metrics and the measured all-reduce).
 _DURATIONS = tuple(i for i, name in enumerate(TABLE_COLUMNS["steps"]) if name.endswith("_ns"))
+_DURATION_COLUMNS = itemgetter(*_DURATIONS)
+_chain = chain.from_iterable
 NAN_TEXT = "NaN"  # how a NaN scalar is stored (schema v7)
 
 
@@ -441,13 +445,15 @@ class Ingestor:
 
 def _bound_durations(steps: list[Column]) -> int:
     """Replace, in a batch's steps columns, each duration beyond ``MAX_DURATION_NS``
-    either way with None; return how many. One C-level pass per column when none is."""
+    either way with None; return how many. A few C-level passes over all of them
+    when none is (filter() drops the Nones, and zeros, harmless here)."""
+    present = list(filter(None, _chain(_DURATION_COLUMNS(steps))))
+    if not present or (-MAX_DURATION_NS <= min(present) and max(present) <= MAX_DURATION_NS):
+        return 0
     nulled = 0
     for at in _DURATIONS:
         col = steps[at]
-        # filter() drops the Nones (and zeros, harmless here) in C.
-        present = list(filter(None, col)) if None in col else col
-        if not present or (-MAX_DURATION_NS <= min(present) and max(present) <= MAX_DURATION_NS):
+        if None not in col and -MAX_DURATION_NS <= min(col) and max(col) <= MAX_DURATION_NS:
             continue
         bounded = [v if v is None or -MAX_DURATION_NS <= v <= MAX_DURATION_NS else None for v in col]
         nulled += bounded.count(None) - col.count(None)
