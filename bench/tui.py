@@ -49,10 +49,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.support.synth_db import T0, SynthSpec, build, step_row  # noqa: E402
 from traceml_daemon.tui.analyzer import Analyzer  # noqa: E402
 from traceml_daemon.tui.app import TraceApp  # noqa: E402
 from traceml_daemon.tui.data import TuiData  # noqa: E402
-from traceml_daemon.tui.synth import T0, SynthSpec, build, step_row  # noqa: E402
 
 _INSERT = "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")"
 

@@ -88,9 +88,9 @@ def test_summary_errors_name_the_path(tmp_path: Path) -> None:
 def test_long_run_is_summarised_from_a_bounded_sample_with_exact_counts(tmp_path: Path, monkeypatch) -> None:
     import sqlite3
 
+    from tests.support.synth_db import SynthSpec, build
     from traceml_daemon.commands import summary as summary_module
     from traceml_daemon.store import reader
-    from traceml_daemon.tui.synth import SynthSpec, build
 
     db = tmp_path / "long.db"
     build(str(db), SynthSpec(nnodes=1, ranks_per_node=2, steps=3000, straggler=1, with_detail=False))
@@ -125,8 +125,8 @@ def test_long_run_is_summarised_from_a_bounded_sample_with_exact_counts(tmp_path
 def test_sample_of_strided_steps_is_not_aliased_away(tmp_path: Path) -> None:
     import sqlite3
 
+    from tests.support.synth_db import SynthSpec, build
     from traceml_daemon.store import reader
-    from traceml_daemon.tui.synth import SynthSpec, build
 
     db = tmp_path / "strided.db"
     build(str(db), SynthSpec(nnodes=1, ranks_per_node=1, steps=10, straggler=None, with_detail=False))
@@ -149,8 +149,8 @@ def test_sample_of_strided_steps_is_not_aliased_away(tmp_path: Path) -> None:
 
 
 def test_sample_of_contiguous_steps_is_every_kth_and_the_dense_tail(tmp_path: Path) -> None:
+    from tests.support.synth_db import SynthSpec, build
     from traceml_daemon.store import reader
-    from traceml_daemon.tui.synth import SynthSpec, build
 
     db = tmp_path / "contiguous.db"
     build(str(db), SynthSpec(nnodes=1, ranks_per_node=10, steps=3000, straggler=None, with_detail=False))

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from tests.support import synth_db as synth
 from traceml_daemon.commands import cli
 from traceml_daemon.metrics.collect import read_db_state
 from traceml_daemon.store.schema import GROUPED_INDEXES, RANK_GROUP, SCHEMA_VERSION, rank_is, ranks_in
-from traceml_daemon.tui import synth
 from traceml_daemon.tui.analyzer import Analyzer
 from traceml_daemon.tui.data import TuiData
 

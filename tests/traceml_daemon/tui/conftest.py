@@ -13,8 +13,8 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Static
 
+from tests.support.synth_db import T0, SynthSpec, build
 from traceml_daemon.tui.app import TraceApp
-from traceml_daemon.tui.synth import T0, SynthSpec, build
 
 FROZEN_NOW = T0 + 3600.0  # "now" for every app in these tests: uptime never moves
 

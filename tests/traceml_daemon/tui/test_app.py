@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable, Input
 
+from tests.support.synth_db import SynthSpec, build, step_row
 from tests.traceml_daemon.tui.conftest import asynctest, make_app, press, settle, static_text
 from traceml_daemon.tui.app import main, parse_jump
 from traceml_daemon.tui.screens import (
@@ -19,7 +20,6 @@ from traceml_daemon.tui.screens import (
     RankScreen,
     VerdictsScreen,
 )
-from traceml_daemon.tui.synth import SynthSpec, build, step_row
 from traceml_daemon.tui.widgets import RankGrid
 
 

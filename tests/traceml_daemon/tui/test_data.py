@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.synth_db import SynthSpec, build, step_row
 from traceml_daemon.analysis.rolling import RankWindow
 from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.store.migrate import migrate
@@ -19,7 +20,6 @@ from traceml_daemon.tui.analyzer import Analyzer
 from traceml_daemon.tui.data import WINDOW, TuiData
 from traceml_daemon.tui.model import Analysis, DatabaseMissing, RankRow, downsample, median, nodes_from, with_analysis
 from traceml_daemon.tui.ranks import LiveRank
-from traceml_daemon.tui.synth import SynthSpec, build, step_row
 from traceml_daemon.tui.widgets import resample
 
 
@@ -321,8 +321,8 @@ def test_delivery_counts_rows_and_batches_apart_and_never_bytes(tmp_path: Path) 
 
 def test_synth_relay_counters_are_the_relays_own() -> None:
     from relay.upstream import RelayStats
+    from tests.support.synth_db import DAEMON_COUNTERS, RELAY_COUNTERS
     from traceml_daemon.ingest.counters import Counters
-    from traceml_daemon.tui.synth import DAEMON_COUNTERS, RELAY_COUNTERS
 
     assert set(RELAY_COUNTERS) == set(RelayStats().as_dict())
     assert set(DAEMON_COUNTERS) == set(Counters().as_dict())

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from textual.widgets import DataTable, Input
 
+from tests.support.synth_db import SynthSpec, build
 from tests.traceml_daemon.tui.conftest import asynctest, make_app, press, settle, static_text
 from traceml_daemon.tui.screens import NodeScreen, OverviewScreen, RankScreen
-from traceml_daemon.tui.synth import SynthSpec, build
 from traceml_daemon.tui.widgets import plain
 
 HOST = "[/]"

@@ -11,10 +11,10 @@ import pytest
 from textual.widgets import DataTable, Input
 
 from tests.conftest import REAL_RUN_STEPS
+from tests.support.synth_db import SynthSpec, build
 from tests.traceml_daemon.tui.conftest import asynctest, make_app, press, settle, static_text
 from traceml_daemon.analysis.model import PHASES
 from traceml_daemon.tui.screens import JumpScreen, NodeScreen, OverviewScreen, RankScreen, VerdictsScreen
-from traceml_daemon.tui.synth import SynthSpec, build
 from traceml_daemon.tui.widgets import RankGrid, SparkList
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Synthetic databases for the TUI's tests, benchmark and screenshots.
+"""Synthetic databases for the tests, the TUI benchmark and screenshots.
 
 Writes rows with realistic shapes: M nodes x N ranks, one straggler rank,
 host/GPU rows on each node's local rank 0 with some values absent, scalars, a
@@ -17,8 +17,10 @@ the readers' fallback on databases an old daemon left behind.
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from relay.upstream import RelayStats
+from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS, RANK_COLUMNS, SCHEMA_VERSION
 from traceml_wire.tables import columns
@@ -26,18 +28,10 @@ from traceml_wire.tables import columns
 T0 = 1_700_000_000.0  # fixed epoch so snapshots never depend on the clock
 GiB = 2**30
 
-# Counter names as stored in ``delivery``, one list per kind of source. Written out
-# here (not imported) because the daemon side must not import the relay or agent
-# packages; tests/traceml_daemon/tui/test_data.py checks the relay's against RelayStats.
-DAEMON_COUNTERS = (
-    "frames_received", "rows_stored", "duplicates_discarded", "oversize_frames",
-    "refused_peers", "bad_bodies", "partials_refused", "protocol_errors", "connections",
-)  # fmt: skip
-RELAY_COUNTERS = (
-    "dropped_batches", "dropped_bytes", "spooled_batches", "spool_dropped_batches", "agents_connected",
-    "refused_agents", "agent_protocol_errors", "received_batches", "duplicate_batches", "rbatches_sent",
-    "rbatches_acked", "upstream_connects",
-)  # fmt: skip
+# Counter names as stored in ``delivery``, one list per kind of source, taken from
+# where each side declares them.
+DAEMON_COUNTERS = tuple(f.name for f in fields(Counters))
+RELAY_COUNTERS = tuple(f.name for f in fields(RelayStats))
 # A CPU run's agent counters (a CUDA run adds the tracer's events_exhausted);
 # tests/traceml_daemon/tui/test_real_run.py checks all three lists against a real run.
 AGENT_COUNTERS = (
