@@ -1,146 +1,20 @@
 """`traceml-daemon compare A.db B.db [--json] [--ulp N]`: load two runs, compare, print.
 
-Reads each database read-only with the stdlib sqlite3 module (a live daemon
-may still be writing it): the latest session and attempt, its ranks' steps
-and the scalars logged with agent.log. Exit 2 with the path named when a file
-is missing or is not a traceml database.
+Each database is read through ``store.read.whole_run``: the latest session and
+attempt, its ranks' steps and the scalars logged with agent.log. Exit 2 with
+the path named when a file is missing or is not a traceml database.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import sys
-from pathlib import Path
-from typing import Any
-from urllib.parse import quote
 
 from traceml_daemon.analysis.diff import compare_runs, format_compare
-from traceml_daemon.analysis.model import PHASES, RankData, RunData
-from traceml_daemon.analysis.scalars import first_nonfinite, scalar_key
-from traceml_daemon.store.gc_pause import gc_paused
-from traceml_daemon.store.schema import RANK_GROUP
+from traceml_daemon.store.read.whole_run import UnreadableRun, load_run
 
-Scalars = dict[str, list[tuple[int, float]]]
-
-_STEP_COLS = (
-    "step",
-    "ts",
-    "step_ns",
-    *(f"{p}_ns" for p in PHASES),
-    "comm_ns",
-    "peak_bytes",
-    "reserved_bytes",
-    "rss_bytes",
-)
-
-
-class CompareError(Exception):
-    """A database that cannot be compared; the message names its path."""
-
-
-def _connect(path: str) -> sqlite3.Connection:
-    p = Path(path)
-    if not p.is_file():
-        raise CompareError(f"{path}: no such file")
-    try:
-        con = sqlite3.connect(f"file:{quote(str(p.resolve()))}?mode=ro", uri=True)
-        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    except sqlite3.DatabaseError as exc:
-        raise CompareError(f"{path}: not a traceml database ({exc})") from None
-    missing = {"ranks", "steps", "scalars", "models"} - tables
-    if missing:
-        con.close()
-        raise CompareError(f"{path}: not a traceml database (no {', '.join(sorted(missing))} table)")
-    return con
-
-
-def load_run(path: str) -> tuple[RunData, Scalars]:
-    """The latest session/attempt of the database at ``path`` as RunData, plus its scalars."""
-    con = _connect(path)
-    try:
-        with gc_paused():  # every step row of a run, acyclic (see gc_pause)
-            return _load(con, path)
-    except sqlite3.DatabaseError as exc:
-        raise CompareError(f"{path}: cannot read ({exc})") from None
-    finally:
-        con.close()
-
-
-def _load(con: sqlite3.Connection, path: str) -> tuple[RunData, Scalars]:
-    latest = con.execute(
-        "SELECT session FROM ranks ORDER BY COALESCE(first_seen, 0) DESC, rank_id DESC LIMIT 1"
-    ).fetchone()
-    if latest is None:
-        raise CompareError(f"{path}: no ranks recorded")
-    session = latest[0]
-    (attempt,) = con.execute("SELECT MAX(attempt) FROM ranks WHERE session = ?", (session,)).fetchone()
-    ranks: dict[int, RankData] = {}
-    parallelism = "single"
-    for rank_id, global_rank, local_rank, node_rank, hostname, par in con.execute(
-        "SELECT rank_id, global_rank, local_rank, node_rank, hostname, parallelism FROM ranks "
-        "WHERE session = ? AND attempt = ? ORDER BY global_rank, rank_id",
-        (session, attempt),
-    ):
-        ranks[rank_id] = RankData(
-            global_rank=global_rank if global_rank is not None else rank_id,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            hostname=hostname,
-        )
-        parallelism = par or parallelism
-    parallelism = _parallelism(con, session, attempt, parallelism)
-    cols = ", ".join(f"s.{c}" for c in _STEP_COLS)
-    last: tuple[int, int] | None = None
-    # ORDER BY model_id: with two traced models, the first one's row stands for the step.
-    # The rest of the order is the steps index's (rank group, step, rank), so no sort of
-    # the whole run: each rank's steps still arrive in step order, its duplicates together.
-    for row in con.execute(
-        f"SELECT s.rank_id, {cols} FROM steps s JOIN ranks r ON r.rank_id = s.rank_id "
-        f"WHERE r.session = ? AND r.attempt = ? ORDER BY s.rank_id / {RANK_GROUP}, s.step, s.rank_id, s.model_id",
-        (session, attempt),
-    ):
-        rank_id, values = row[0], dict(zip(_STEP_COLS, row[1:], strict=True))
-        if values["step"] is None or (rank_id, values["step"]) == last:
-            continue
-        last = (rank_id, values["step"])
-        _append_step(ranks[rank_id], values)
-    scalars: Scalars = {}
-    for global_rank, step, name, value in con.execute(
-        "SELECT COALESCE(r.global_rank, r.rank_id), s.step, s.name, s.value FROM scalars s "
-        "JOIN ranks r ON r.rank_id = s.rank_id WHERE r.session = ? AND r.attempt = ? "
-        "AND s.step IS NOT NULL AND s.value IS NOT NULL ORDER BY s.name, r.global_rank, s.step, s.rowid",
-        (session, attempt),
-    ):
-        scalars.setdefault(scalar_key(name, global_rank), []).append((step, float(value)))
-    return RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars)), scalars
-
-
-def _parallelism(con: sqlite3.Connection, session: str, attempt: int, hello: str) -> str:
-    """fsdp2 > ddp > single: the traced models know better than the rank's hello."""
-    found = {hello}
-    found |= {
-        row[0]
-        for row in con.execute(
-            "SELECT DISTINCT m.parallelism FROM models m JOIN ranks r ON r.rank_id = m.rank_id "
-            "WHERE r.session = ? AND r.attempt = ?",
-            (session, attempt),
-        )
-    }
-    return next((kind for kind in ("fsdp2", "ddp") if kind in found), "single")
-
-
-def _append_step(rank: RankData, v: dict[str, Any]) -> None:
-    rank.steps.append(v["step"])
-    rank.step_ts.append(v["ts"])
-    rank.step_ns.append(v["step_ns"])
-    for p in PHASES:
-        rank.phases_ns.setdefault(p, []).append(v[f"{p}_ns"])
-    rank.comm_ns.append(v["comm_ns"])
-    rank.peak_bytes.append(v["peak_bytes"])
-    rank.reserved_bytes.append(v["reserved_bytes"])
-    rank.rss_bytes.append(v["rss_bytes"])
+__all__ = ["add_arguments", "load_run", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +37,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     try:
         run_a, scalars_a = load_run(args.a)
         run_b, scalars_b = load_run(args.b)
-    except CompareError as exc:
+    except UnreadableRun as exc:
         print(f"traceml-daemon compare: {exc}", file=sys.stderr)
         return 2
     result = compare_runs(run_a, run_b, scalars_a, scalars_b, ulp=args.ulp)

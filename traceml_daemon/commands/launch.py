@@ -31,7 +31,6 @@ import os
 import re
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -331,30 +330,14 @@ def _print_summary(db: str) -> None:
         print(f"traceml-daemon launch: no summary: {exc}", file=sys.stderr)
 
 
-# Per other node, this run's ranks (first stored after the daemon started, so an
-# older run in the same file never counts) and whether each sent its last batch.
-_NODE_RANKS = """
-SELECT r.node_rank, r.attempt, r.local_world_size, r.last_seen,
-       coalesce((SELECT max(s.finished) FROM status s WHERE s.rank_id = r.rank_id), 0)
-FROM ranks r WHERE r.first_seen >= ? AND r.node_rank > 0
-"""
-
-
 def pending_nodes(db: str, since: float, nnodes: int) -> tuple[list[int], float]:
     """Nodes 1..nnodes-1 whose ranks have not all reported their end, and the
     newest time any of their data was stored (0.0 when none was)."""
-    from traceml_daemon.store.read.connect import connect_file
+    from traceml_daemon.store.read.runs import other_nodes_ranks
 
     ranks: dict[int, list[tuple[int, int | None, bool]]] = {}
     newest = 0.0
-    try:
-        conn = connect_file(Path(db))
-        try:
-            rows = conn.execute(_NODE_RANKS, (since,)).fetchall()
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        rows = []  # nothing stored yet (or the schema is still being created)
+    rows = other_nodes_ranks(db, since)
     for node, attempt, local_world, last_seen, finished in rows:
         ranks.setdefault(int(node), []).append((int(attempt or 0), local_world, bool(finished)))
         newest = max(newest, float(last_seen or 0.0))

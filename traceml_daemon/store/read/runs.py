@@ -5,8 +5,9 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-from traceml_daemon.store.read.connect import has_table
+from traceml_daemon.store.read.connect import connect_file, has_table
 from traceml_daemon.store.schema import rank_is
 
 
@@ -97,3 +98,25 @@ def run_parallelism(conn: sqlite3.Connection, run: RunRef, hello: Iterable[str |
         if kind in found:
             return kind
     return "single"
+
+
+# Per node other than 0, the ranks first stored since a time (so an older run in the
+# same file never counts) and whether each sent its last batch.
+_OTHER_NODES_RANKS = """
+SELECT r.node_rank, r.attempt, r.local_world_size, r.last_seen,
+       coalesce((SELECT max(s.finished) FROM status s WHERE s.rank_id = r.rank_id), 0)
+FROM ranks r WHERE r.first_seen >= ? AND r.node_rank > 0
+"""
+
+
+def other_nodes_ranks(db: str, since: float) -> list[tuple[int, int | None, int | None, float | None, int]]:
+    """(node_rank, attempt, local_world_size, last_seen, finished) of every rank of
+    nodes 1.. first stored at or after ``since``; empty while nothing is stored yet."""
+    try:
+        conn = connect_file(Path(db))
+        try:
+            return conn.execute(_OTHER_NODES_RANKS, (since,)).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return []  # no database yet, or its schema is still being created
