@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-DAEMON_SOURCE = "daemon"  # delivery.source of these counters
-AGENT_PREFIX = "agent:"  # delivery.source of an agent's own drop counters: "agent:" + sender
-RELAY_PREFIX = "relay:"  # delivery.source of a relay's stats: "relay:" + relay sender
+from traceml_daemon.store.schema import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
+
+__all__ = ["AGENT_PREFIX", "DAEMON_SOURCE", "RELAY_PREFIX", "Counters"]
 
 
 @dataclass

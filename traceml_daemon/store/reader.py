@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from traceml_daemon.analysis.model import PHASES, NodeSystem, RankData, RunData
-from traceml_daemon.store.read import samples, steps
+from traceml_daemon.analysis.model import PHASES, NodeSystem, NonFinite, RankData, RunData
+from traceml_daemon.store.read import detail, samples, steps
 from traceml_daemon.store.read.connect import StoreError, open_readonly, schema_version
 from traceml_daemon.store.read.delivery import AGENT_BATCH_DROPS, AGENT_ROW_DROPS, RELAY_BATCH_DROPS, delivery_counters
 from traceml_daemon.store.read.detail import fsdp2_memory
@@ -197,7 +197,17 @@ def load_run(
         now=time.time() if live else None,
         live=live,
         systems=load_systems(conn, run, ranks=ranks),
+        nonfinite=load_nonfinite(conn, ranks),
     )
+
+
+def load_nonfinite(conn: sqlite3.Connection, ranks: list[RankRow]) -> list[NonFinite]:
+    """The first non-finite value of each of these ranks' scalar series (LOSS_NONFINITE)."""
+    global_rank = {r.rank_id: int(r.global_rank if r.global_rank is not None else r.rank_id) for r in ranks}
+    return [
+        NonFinite(global_rank=global_rank[rank_id], name=name, step=step, value=value)
+        for rank_id, name, step, value in detail.first_nonfinite_scalars(conn, list(global_rank))
+    ]
 
 
 def load_window_run(conn: sqlite3.Connection, window: int, now: float | None = None) -> RunData:

@@ -335,6 +335,12 @@ def _v6() -> list[str]:
 # find a run's non-finite scalars through this partial index, which holds only
 # those rows, by repeating its WHERE expression, ``NONFINITE_SCALAR``.
 
+# delivery.source: the daemon's own counters, an agent's drop counters ("agent:" + sender),
+# a relay's stats ("relay:" + relay sender).
+DAEMON_SOURCE = "daemon"
+AGENT_PREFIX = "agent:"
+RELAY_PREFIX = "relay:"
+
 NONFINITE_SCALAR = "value = 'NaN' OR value IN (9e999, -9e999)"
 
 

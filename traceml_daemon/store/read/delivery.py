@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from traceml_daemon.ingest.counters import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
+from traceml_daemon.store.schema import AGENT_PREFIX, DAEMON_SOURCE, RELAY_PREFIX
+from traceml_wire.bounds import INT64_MAX
 
 # Agent counters that are lost rows (each unit one row or one step row) and
 # lost batches (each an unknown number of rows). Everything else an agent
@@ -41,11 +42,13 @@ def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
     # tens of thousands of rows and the TUI reads this while a run is live.
     by_kind = conn.execute(
         "SELECT CASE WHEN source = ? THEN 'daemon' WHEN substr(source, 1, ?) = ? THEN 'agent' "
-        "WHEN substr(source, 1, ?) = ? THEN 'relay' END AS kind, counter, sum(value) "
+        "WHEN substr(source, 1, ?) = ? THEN 'relay' END AS kind, counter, total(value) "
         "FROM delivery GROUP BY kind, counter HAVING kind IS NOT NULL",
         (DAEMON_SOURCE, len(AGENT_PREFIX), AGENT_PREFIX, len(RELAY_PREFIX), RELAY_PREFIX),
     )
-    for kind, counter, value in by_kind:
+    for kind, counter, summed in by_kind:
+        # total() is a float sum: peers' counters near int64 must not overflow the read.
+        value = int(min(summed, INT64_MAX))
         if kind == "daemon":
             out[counter] = value
             continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from traceml_daemon.store.schema import rank_is
+from traceml_daemon.store.schema import NONFINITE_SCALAR, rank_is
 
 
 def scalar_names(conn: sqlite3.Connection, rank_id: int, limit: int = 32) -> list[str]:
@@ -28,7 +28,25 @@ def latest_scalar(conn: sqlite3.Connection, rank_id: int, name: str) -> float | 
     row = conn.execute(
         f"SELECT value FROM scalars WHERE {rank_is('?1')} AND name=?2 ORDER BY step DESC LIMIT 1", (rank_id, name)
     ).fetchone()
-    return None if row is None else row[0]
+    return None if row is None else stored_real(row[0])
+
+
+def stored_real(value: Any) -> float | None:
+    """A REAL cell as stored: NaN is kept as the text 'NaN' (SQLite turns a NaN REAL into NULL)."""
+    return float(value) if isinstance(value, str) else value
+
+
+def first_nonfinite_scalars(conn: sqlite3.Connection, rank_ids: list[int]) -> list[tuple[int, str, int, float]]:
+    """(rank_id, name, first step, value) of every scalar series of these ranks that
+    became NaN or infinite, through the partial index of non-finite scalars."""
+    out: list[tuple[int, str, int, float]] = []
+    for rank_id in rank_ids:
+        for name, step, value in conn.execute(
+            f"SELECT name, MIN(step), value FROM scalars WHERE rank_id = ? AND ({NONFINITE_SCALAR}) GROUP BY name",
+            (rank_id,),
+        ):
+            out.append((rank_id, name, step, float(value)))
+    return out
 
 
 def latest_layers(conn: sqlite3.Connection, rank_id: int) -> tuple[int | None, list[tuple[Any, ...]]]:

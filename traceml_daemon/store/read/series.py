@@ -61,7 +61,12 @@ class Buckets:
             span = max(1, hi - lo + 1)
             self.size = 1 << max(0, math.ceil(math.log2(max(1.0, span / self.width))))
         start = (max(self.buckets) * self.size) if self.buckets else -(1 << 62)
-        aggs = ", ".join(f"SUM({c}), COUNT({c})" for c in self.cols)
+        # Per column: the sum of its numbers, how many cells it has, and how many hold the
+        # text 'NaN' (how a NaN is stored): a bucket holding one has a NaN mean.
+        aggs = ", ".join(
+            f"TOTAL(CASE WHEN typeof({c}) != 'text' THEN {c} END), COUNT({c}), SUM(typeof({c}) = 'text')"
+            for c in self.cols
+        )
         sql = (
             f"SELECT step / {self.size} AS k, COUNT(*), MAX(step), {aggs} FROM {self.table} "
             f"WHERE {self.where} AND step >= ? GROUP BY k"
@@ -92,9 +97,9 @@ class Buckets:
         values: list[float | None] = []
         for k in sorted(self.buckets):
             b = self.buckets[k]
-            total, n = b[2 + 2 * col], b[3 + 2 * col]
+            total, n, nans = b[2 + 3 * col], b[3 + 3 * col], b[4 + 3 * col]
             steps.append(int(b[1]))
-            values.append(total / n * scale if n else None)
+            values.append(math.nan if nans else (total / n * scale if n else None))
         return Series(steps, values)
 
 
