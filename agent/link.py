@@ -18,9 +18,13 @@ from typing import Any, NoReturn
 from traceml_wire import conversation, messages
 from traceml_wire.conversation import ClientConnection, State
 from traceml_wire.errors import ProtocolError
+from traceml_wire.limits import set_keepalive
 
 CONNECT_TIMEOUT_S = 1.0  # loopback: a healthy relay answers in microseconds
 IO_TIMEOUT_S = 2.0
+# TCP keepalive (idle, interval, count), as the servers set it on their side: an agent
+# may talk to a daemon on another host, and a vanished one must not hold its link.
+KEEPALIVE = (60, 10, 6)
 
 
 class Refused(Exception):
@@ -72,6 +76,7 @@ class Link:
         link = cls(sock, ClientConnection(token), cancel)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_keepalive(sock, KEEPALIVE)
             deadline = time.monotonic() + timeout
             while True:
                 for event in link._events(deadline):

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from agent.errors import ErrorReporter
+from agent.errors import PREFIX, ErrorReporter
 from agent.link import IO_TIMEOUT_S, Cancelled, HelloInfo, Link, Refused, Unverified
 from traceml_wire import messages
 from traceml_wire.body import encode_body
 from traceml_wire.errors import ProtocolError
 from traceml_wire.framing import MAX_AGENT_BODY_BYTES, encode_frame
+from traceml_wire.printable import printable
+from traceml_wire.ratelimit import LineLimiter
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -189,6 +192,8 @@ class Sender:
         self.connects = 0
         self.disconnects = 0
         self.refusals = 0
+        # A relay that keeps refusing would print a line per retry on the trainer's stderr.
+        self._lines = LineLimiter()
         # Rows that could not be sent at all (one row over MAX_BODY_BYTES): a real loss,
         # shipped as the "drops" source OVERSIZE_ROWS with every flush once non-zero.
         self.oversize_rows = 0
@@ -404,7 +409,14 @@ class Sender:
 
     def _on_refused(self, reason: str) -> None:
         self.refusals += 1
-        self._reporter.report("refused", f"relay refused: {reason}")
+        self._reporter.count("refused")
+        line = self._lines.line("refused", f"relay refused: {printable(reason)}")
+        if line is not None:
+            try:
+                sys.stderr.write(f"{PREFIX} {line}\n")
+                sys.stderr.flush()
+            except Exception:  # a closed or odd stderr must not stop the sender
+                pass
         self._schedule_retry(BACKOFF_MAX_S)
 
     def _drop_link(self) -> None:

@@ -17,6 +17,7 @@ Two ways to run it:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from typing import Any
 
 from relay._frames import ConnectionClosed, Wire
 from relay._loop import new_event_loop
+from relay.limits import RELAY_LIMITS
 from relay.upstream import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_FLUSH_INTERVAL,
@@ -35,10 +37,17 @@ from traceml_wire import MAX_AGENT_FRAME_BYTES, ProtocolError
 from traceml_wire import conversation as conv
 from traceml_wire import messages as wm
 from traceml_wire.addresses import is_loopback
+from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
+from traceml_wire.limits import ConnectionGate, ConnectionLimits, set_keepalive
+from traceml_wire.printable import printable
+from traceml_wire.ratelimit import LineLimiter
 
 DEFAULT_PORT = 29766
 DEFAULT_DAEMON = ("127.0.0.1", 29765)
-HELLO_TIMEOUT = 10.0
+HELLO_TIMEOUT = RELAY_LIMITS.hello_timeout
+# An agent connection's stream buffer: the transport stops reading the socket once it
+# holds twice this; a frame's body beyond it is read under the inbound byte budget.
+READ_BUFFER = 64 * 1024
 # Derived in traceml_wire from the daemon's cap: every body the agent may send passes,
 # and one alone in an rbatch still fits the daemon's frame cap.
 AGENT_MAX_FRAME_BYTES = MAX_AGENT_FRAME_BYTES
@@ -77,17 +86,25 @@ class NodeRelay:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         spool_bytes: int = DEFAULT_SPOOL_BYTES,
         flush_interval: float = DEFAULT_FLUSH_INTERVAL,
-        hello_timeout: float = HELLO_TIMEOUT,
+        hello_timeout: float | None = None,
         max_frame_bytes: int = AGENT_MAX_FRAME_BYTES,
+        limits: ConnectionLimits = RELAY_LIMITS,
     ) -> None:
         if not token and not is_loopback(host):
             # Anyone on the network could inject telemetry: refuse at start.
             raise ValueError(f"refusing to listen on non-loopback {host} without a token")
+        if hello_timeout is not None:
+            limits = dataclasses.replace(limits, hello_timeout=hello_timeout)
         self.host = host
         self.port = port
         self._token = token
-        self.hello_timeout = hello_timeout
+        self.limits = limits
         self.max_frame_bytes = max_frame_bytes
+        # Agent connection slots (authenticated and not) and the bytes of frames being read.
+        self.gate: ConnectionGate[asyncio.StreamWriter] = ConnectionGate(limits)
+        self.inbound = ByteBudget(limits.inbound_bytes)
+        # What a peer can make the relay say, repeated, on the stderr of the trainer that embeds it.
+        self._lines = LineLimiter()
         self.upstream = Upstream(
             daemon=upstream,
             token=token,
@@ -98,6 +115,7 @@ class NodeRelay:
             spool_bytes=spool_bytes,
             flush_interval=flush_interval,
             tls_ca=tls_ca,
+            limits=limits,
         )
         self.stats = self.upstream.stats
         self._held: dict[str, int] = {}  # agent sender -> highest seq held (dedup high-water)
@@ -112,7 +130,10 @@ class NodeRelay:
 
     async def start(self) -> None:
         """Bind the agent port (raises OSError if taken) and start forwarding."""
-        self._server = await asyncio.start_server(self._on_agent, self.host, self.port)
+        backlog = max(100, self.limits.max_connections + self.limits.max_unauthenticated)
+        self._server = await asyncio.start_server(
+            self._on_agent, self.host, self.port, limit=READ_BUFFER, backlog=backlog
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._main = asyncio.create_task(self._run())
 
@@ -178,13 +199,41 @@ class NodeRelay:
 
     # ------------------------------------------------------------ agents
 
+    def _say(self, kind: str, message: str) -> None:
+        """A warning a peer can repeat at will: the first of its kind, then one a minute."""
+        line = self._lines.line(kind, message)
+        if line is not None:
+            warn(line)
+
     async def _on_agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Track the connection task so aclose() can end it.
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
-        await self._agent(reader, writer)
+        if self._closing:
+            writer.transport.abort()
+            return
+        set_keepalive(writer.get_extra_info("socket"), self.limits.keepalive)
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        admission = self.gate.admit(writer, host, asyncio.get_running_loop().time())
+        for victim in admission.evict:
+            # Aborted, not cancelled: its handler ends through its own EOF path.
+            self.stats.refused_agents += 1
+            self._say("refused", "refused an agent: no hello yet and its slot went to a newer connection")
+            victim.transport.abort()
+        try:
+            if not admission.admitted:
+                self.stats.refused_agents += 1
+                self._say("refused", f"refused an agent: {admission.reason}")
+                wire = Wire(reader, writer, conv.ServerConnection(None))
+                await self._refuse_now(wire, admission.reason)
+                await wire.close()
+                return
+            await self._agent(reader, writer)
+        finally:
+            self.gate.release(writer)
 
     async def _agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The conversation reads only a hello-sized frame until the hello is accepted
@@ -193,18 +242,16 @@ class NodeRelay:
             self._token, roles=frozenset({wm.ROLE_AGENT}), max_frame_bytes=self.max_frame_bytes
         )
         wire = Wire(reader, writer, conn)
-        if self._closing:
-            writer.transport.abort()
-            return
+        frames = ServerReader(reader, conn, self.inbound, self.limits)
         self._wires.add(wire)
         sender: str | None = None
         try:
-            sender = await self._handshake(wire)
+            sender = await self._handshake(wire, frames)
             if sender is None:
                 return
             self.stats.agents_connected += 1
             try:
-                await self._receive_batches(wire, sender)
+                await self._receive_batches(wire, frames, sender)
             finally:
                 self.stats.agents_connected -= 1
         except ConnectionClosed:
@@ -212,43 +259,76 @@ class NodeRelay:
         except ProtocolError as exc:
             # One bad agent loses its connection; every other agent carries on.
             self.stats.agent_protocol_errors += 1
-            warn(f"closing agent connection ({sender or 'before hello'}): {exc}")
+            self._say("closing", f"closing agent connection ({printable(sender or 'before hello')}): "
+                                 f"{printable(exc)}")
         except (OSError, ConnectionError):
             pass
         finally:
             self._wires.discard(wire)
             await wire.close()
 
-    async def _handshake(self, wire: Wire) -> str | None:
+    async def _handshake(self, wire: Wire, frames: ServerReader) -> str | None:
         await wire.send(wire.conn.send_challenge())
         try:
-            # The conversation reads nothing past a hello, good or bad: one event.
-            (event,) = await asyncio.wait_for(wire.events(), self.hello_timeout)
+            async with asyncio.timeout(self.limits.hello_timeout):
+                events = await frames.first_frame()
         except TimeoutError:
             return await self._refuse(wire, "no hello within the timeout")
-        except ProtocolError as exc:  # the stream ended inside the hello's frame
-            return await self._refuse(wire, f"bad hello: {exc}")
+        if not events:
+            if wire.conn.in_frame:
+                return await self._refuse(wire, "bad hello: stream ended inside a frame")
+            return None
+        (event,) = events  # the conversation reads nothing past a hello, good or bad
         if not isinstance(event, conv.Hello):
             assert isinstance(event, conv.BadHello)
             return await self._refuse(wire, event.reason)
+        full = self.gate.authenticate(wire.writer)
+        if full is not None:
+            return await self._refuse(wire, full)
         self.upstream.peers[event.sender] = event.identity
         await wire.send(wire.conn.send_accept(self._held.get(event.sender, 0)))
         return event.sender
 
     async def _refuse(self, wire: Wire, reason: str) -> None:
         self.stats.refused_agents += 1
-        warn(f"refused an agent: {reason}")
+        self._say("refused", f"refused an agent: {printable(reason)}")
+        await self._refuse_now(wire, reason)
+        return None
+
+    @staticmethod
+    async def _refuse_now(wire: Wire, reason: str) -> None:
         try:
             await asyncio.wait_for(wire.send(wire.conn.send_refuse(reason)), 1.0)
         except (TimeoutError, OSError, ConnectionError):
             pass
-        return None
 
-    async def _receive_batches(self, wire: Wire, sender: str) -> None:
+    async def _receive_batches(self, wire: Wire, frames: ServerReader, sender: str) -> None:
         while True:
-            for event in await wire.events():
+            try:
+                ack = await self._take_frame(frames, sender)
+            except ReadTimeout as exc:
+                # A stalled frame holds budget the node's other agents wait for: cut it.
+                raise ProtocolError(str(exc)) from None
+            except IdleTimeout:
+                return  # a quiet agent reconnects when it has something to send
+            if ack is None:
+                return
+            # Waiting for the ack to drain before taking the next frame is the
+            # per-connection backpressure: a stalled agent socket stops our reads.
+            await wire.send(wire.conn.send_ack(ack))
+
+    async def _take_frame(self, frames: ServerReader, sender: str) -> int | None:
+        """One frame into the buffer, under the inbound budget: the seq to ack, None
+        when the agent is done (bye or EOF between frames)."""
+        async with frames.frame() as events:
+            if events is None:
+                if frames.conn.in_frame:
+                    raise ProtocolError("stream ended inside a frame")
+                return None
+            seq: int | None = None
+            for event in events:
                 if isinstance(event, conv.Bye):
-                    return
+                    return None
                 if not isinstance(event, conv.Batch):
                     assert isinstance(event, conv.ProtocolFailure)
                     raise ProtocolError(event.reason)
@@ -258,9 +338,7 @@ class NodeRelay:
                 else:
                     self.upstream.put(sender, seq, event.body)
                     self._held[sender] = seq
-                # Waiting for the ack to drain before taking the next frame is the
-                # per-connection backpressure: a stalled agent socket stops our reads.
-                await wire.send(wire.conn.send_ack(seq))
+            return seq
 
 
 # ---------------------------------------------------------------- thread API

@@ -24,12 +24,16 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
-from relay._frames import Wire
+from relay._frames import ConnectionClosed, Wire
 from relay.backoff import Backoff
+from relay.limits import RELAY_LIMITS
 from relay.spool_file import Packed, Spool
 from traceml_wire import ProtocolError, encode_frame, pack_message
 from traceml_wire import conversation as conv
 from traceml_wire import messages as wm
+from traceml_wire.framing import MAX_RBATCH_ITEMS
+from traceml_wire.limits import ConnectionLimits, set_keepalive
+from traceml_wire.printable import printable
 
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 DEFAULT_SPOOL_BYTES = 1024 * 1024 * 1024
@@ -90,8 +94,10 @@ class Upstream:
         flush_interval: float = DEFAULT_FLUSH_INTERVAL,
         tls_ca: str | None = None,
         backoff: Backoff | None = None,
+        limits: ConnectionLimits = RELAY_LIMITS,
     ) -> None:
         self.daemon = daemon
+        self.limits = limits  # its keepalive settings apply to the daemon link
         self._token = token
         self.session = session
         self.node = wm.clean_identity(node)
@@ -124,6 +130,7 @@ class Upstream:
         self._retry_now = asyncio.Event()
         self._attempt_failed = asyncio.Event()
         self._wire: Wire | None = None
+        self._said_bye = False
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------ intake
@@ -135,7 +142,8 @@ class Upstream:
         self._pending.append([sender, seq, body])
         self._pending_bytes += len(body)
         self.stats.received_batches += 1
-        if self._pending_bytes >= FLUSH_BYTES:
+        # The daemon decodes an rbatch within limits sized on MAX_RBATCH_ITEMS items.
+        if self._pending_bytes >= FLUSH_BYTES or len(self._pending) >= MAX_RBATCH_ITEMS:
             self.pack()
 
     def pack(self) -> None:
@@ -275,10 +283,17 @@ class Upstream:
             self.pack()
 
     async def run(self) -> None:
-        """Keep one daemon connection up; resend the unacked buffer after each reconnect."""
-        while True:
+        """Keep one daemon connection up; resend the unacked buffer after each reconnect,
+        until the stream ended with a bye."""
+        while not self._said_bye:
             try:
                 await self._connect_and_stream()
+            except ConnectionClosed as exc:
+                if not (self.connected and not self.unacked):
+                    self.unreachable = True
+                    self._warn_once(*self._describe(exc))
+                # Else the daemon closed a link that had nothing in flight (its idle timeout):
+                # reconnect without a word; a daemon that is really gone fails that attempt.
             except (TimeoutError, OSError, ConnectionError, ProtocolError, EOFError) as exc:
                 self.unreachable = True
                 self._warn_once(*self._describe(exc))
@@ -288,8 +303,11 @@ class Upstream:
                 self.connected = False
             self._attempt_failed.set()
             # Back off, but a stop cuts the wait short for one last attempt.
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that arrives
+            # as its inner wait completes, and a stopping relay then never ends this task.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._retry_now.wait(), self._backoff.next_delay())
+                async with asyncio.timeout(self._backoff.next_delay()):
+                    await self._retry_now.wait()
             self._retry_now.clear()
 
     def _describe(self, exc: BaseException) -> tuple[str, str]:
@@ -300,9 +318,10 @@ class Upstream:
             return "unverified", (f"{daemon} did not prove it holds TRACEML_TOKEN ({exc}); nothing is forwarded "
                                   f"to it; retrying{where}")
         if isinstance(exc, DaemonRefused):
-            return "refused", (f"{daemon} refused this relay: {exc}; check that both hold the same TRACEML_TOKEN; "
+            return "refused", (f"{daemon} refused this relay: {printable(exc)}; check that both hold the same "
+                               f"TRACEML_TOKEN; retrying{where}")
+        return "unreachable", (f"{daemon} unreachable or dropped: {printable(repr(exc))}{self._tls_hint(exc)}; "
                                f"retrying{where}")
-        return "unreachable", f"{daemon} unreachable or dropped: {exc!r}{self._tls_hint(exc)}; retrying{where}"
 
     def _tls_hint(self, exc: BaseException) -> str:
         """Name the settings to check when TLS itself failed: retrying cannot fix those."""
@@ -312,13 +331,16 @@ class Upstream:
 
     async def _connect_and_stream(self) -> None:
         host, port = self.daemon
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=self._ssl, server_hostname=host if self._ssl else None),
-            CONNECT_TIMEOUT,
-        )
+        async with asyncio.timeout(CONNECT_TIMEOUT):  # not wait_for: see run()
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=self._ssl, server_hostname=host if self._ssl else None
+            )
+        set_keepalive(writer.get_extra_info("socket"), self.limits.keepalive)
         wire = Wire(reader, writer, conv.ClientConnection(self._token))
         try:
-            self.ack(await asyncio.wait_for(self._handshake(wire), CONNECT_TIMEOUT))
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                last_seq = await self._handshake(wire)
+            self.ack(last_seq)
             self.connected = True
             self.unreachable = False
             self.stats.upstream_connects += 1
@@ -382,6 +404,7 @@ class Upstream:
 
     async def say_bye(self) -> None:
         """Tell the daemon this is a clean end of stream (best effort)."""
+        self._said_bye = True  # the daemon closes after a bye: no reconnect to race the stop
         wire = self._wire
         if wire is not None and self.connected and wire.conn.state is conv.State.OPEN:
             try:

@@ -152,6 +152,28 @@ def test_refusal_reported_once(fake_relay: FakeRelay, capsys: pytest.CaptureFixt
     assert "Traceback" not in err
 
 
+def test_a_relay_that_keeps_refusing_is_said_once_then_once_a_minute_with_the_count(
+    fake_relay: FakeRelay, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The refusal reason comes from whatever holds the port: it reaches stderr escaped.
+    fake_relay.mode = "refuse"
+    fake_relay.refuse_reason = "go away\x1b[2J\nFAKE"
+    sender = make_sender(fake_relay.port)
+    now = [1000.0]
+    sender._lines._clock = lambda: now[0]  # the minute passes when the test says so
+    sender.start()
+    assert fake_relay.wait_for(lambda: len(fake_relay.hellos) >= 3)
+    first = capsys.readouterr().err
+    assert first.count("[traceml] relay refused:") == 1 and "go away\\x1b[2J\\x0aFAKE" in first, first
+    assert "\x1b" not in first
+    now[0] += 61.0
+    seen = len(fake_relay.hellos)
+    assert fake_relay.wait_for(lambda: len(fake_relay.hellos) >= seen + 2)
+    assert sender.stop(1.0)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "relay refused" in line]
+    assert len(lines) == 1 and "more like it since the last such line" in lines[0], lines
+
+
 def test_wrong_token_is_refused(make_relay: Any, capsys: pytest.CaptureFixture[str]) -> None:
     relay: FakeRelay = make_relay(token="right")
     sender = make_sender(relay.port, token="wrong")

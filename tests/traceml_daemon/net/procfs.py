@@ -23,15 +23,30 @@ def peak_rss(pid: int) -> int:
     raise AssertionError(f"no VmHWM for {pid}")
 
 
-def keepalive_armed(local_port: int, remote_port: int) -> bool:
-    """True when the TCP socket from ``local_port`` to ``remote_port`` (IPv4 loopback)
-    runs its keepalive timer: /proc/net/tcp shows timer 2 on an idle socket only then."""
+def keepalive_armed(local_port: int, remote_port: int | None) -> bool:
+    """True when the TCP socket from ``local_port`` to ``remote_port`` (IPv4; any remote
+    port for None) runs its keepalive timer: /proc/net/tcp shows timer 2 on an idle
+    socket only then."""
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        local, remote, timer = fields[1], fields[2], fields[5]
-        if int(local.split(":")[1], 16) == local_port and int(remote.split(":")[1], 16) == remote_port:
+        local, remote, state, timer = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16), fields[3], fields[5]
+        if state == "01" and local == local_port and remote_port in (None, remote):
             return timer.startswith("02:")
     return False
+
+
+def keepalive_armed_towards(remote_port: int) -> bool:
+    """True when every established client socket connected to ``remote_port`` runs its
+    keepalive timer (and there is one)."""
+    found = False
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state, timer = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16), fields[3], fields[5]
+        if state == "01" and remote == remote_port and local != remote_port:
+            found = True
+            if not timer.startswith("02:"):
+                return False
+    return found
 
 
 class RawPeer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -53,8 +54,10 @@ def _agent_sends(port: int, batches: int, steps: int) -> None:
         for seq in range(1, batches + 1):
             link.send(link.conn.send_batch(seq, steps_body((seq - 1) * steps, steps)))
         acked = 0
+        deadline = time.monotonic() + 120.0  # a liveness bound: read_acks waits out its whole window
         while acked < batches:
-            acked = max(acked, link.read_acks(30.0))
+            assert time.monotonic() < deadline, f"acked {acked} of {batches}"
+            acked = max(acked, link.read_acks(0.05))
     finally:
         link.close(bye=True)
 
