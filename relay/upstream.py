@@ -318,8 +318,9 @@ class Upstream:
             return "unverified", (f"{daemon} did not prove it holds TRACEML_TOKEN ({exc}); nothing is forwarded "
                                   f"to it; retrying{where}")
         if isinstance(exc, DaemonRefused):
-            return "refused", (f"{daemon} refused this relay: {printable(exc)}; check that both hold the same "
-                               f"TRACEML_TOKEN; retrying{where}")
+            # A full daemon refuses too: the token is worth checking only when the reason says so.
+            hint = "check that both hold the same TRACEML_TOKEN; " if "token" in str(exc) else ""
+            return "refused", f"{daemon} refused this relay: {printable(exc)}; {hint}retrying{where}"
         return "unreachable", (f"{daemon} unreachable or dropped: {printable(repr(exc))}{self._tls_hint(exc)}; "
                                f"retrying{where}")
 

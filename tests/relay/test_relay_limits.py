@@ -120,8 +120,10 @@ def test_sockets_without_a_hello_are_held_to_the_caps_and_an_agent_with_the_toke
         idle = [RawPeer(relay.port) for _ in range(8)]
         try:
             # Eight silent sockets, four slots: the relay refuses or closes at least four of them.
+            seen: set[int] = set()
+
             def held_to_the_cap() -> bool:
-                return sum(_closed(peer) for peer in idle) >= 4
+                return sum(_closed(peer, seen) for peer in idle) >= 4
 
             wait_for(held_to_the_cap, 60, what="the relay closing sockets over its cap")
 
@@ -145,27 +147,24 @@ def test_sockets_without_a_hello_are_held_to_the_caps_and_an_agent_with_the_toke
     assert len(refused) == 1, err  # however many it refused, once on stderr
 
 
-def _closed(peer: RawPeer) -> bool:
-    """Has the relay refused or closed this socket? (Never blocks.)"""
-    if getattr(peer, "seen_closed", False):
+def _closed(peer: RawPeer, seen: set[int]) -> bool:
+    """Has the relay refused or closed this socket? (Never blocks; ``seen`` remembers.)"""
+    if id(peer) in seen:
         return True
     peer.sock.setblocking(False)
     try:
         while True:
             data = peer.sock.recv(65536)
-            if not data:
-                peer.seen_closed = True  # type: ignore[attr-defined]
-                return True
-            if b"refuse" in data:
-                peer.seen_closed = True  # type: ignore[attr-defined]
-                return True
+            if not data or b"refuse" in data:
+                break
     except BlockingIOError:
         return False
     except OSError:
-        peer.seen_closed = True  # type: ignore[attr-defined]
-        return True
+        pass
     finally:
         peer.sock.setblocking(True)
+    seen.add(id(peer))
+    return True
 
 
 def test_a_quiet_agent_is_closed_after_the_idle_timeout_and_links_are_kept_alive(tmp_path: Path) -> None:
