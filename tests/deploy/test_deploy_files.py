@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 
 from tests.support.procs import EXAMPLES, REPO, DaemonProcess, base_env, free_port, wait_for_steps
+from traceml_daemon.commands.cli import build_parser, serve_retention
+from traceml_daemon.store.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_DAYS
 
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "systemd" / "traceml-daemon.service"
@@ -30,6 +32,9 @@ SBATCH = DEPLOY / "slurm" / "traceml.sbatch"
 K8S = DEPLOY / "k8s"
 CONTAINERFILE = DEPLOY / "Containerfile"
 DAEMON_PORT = "29765"
+DEFAULT_RETENTION_LOG = (
+    f"retention: raw rows kept {DEFAULT_RETENTION_DAYS:g} days, database capped at {DEFAULT_MAX_DB_MB:g} MiB"
+)
 
 
 class ArgvDaemon(DaemonProcess):
@@ -55,8 +60,21 @@ def replace_flag(argv: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def serve_bounds(argv: list[str]) -> tuple[float | None, float | None]:
+    """The retention a serve command line gets, as serve resolves it (argv from ``serve`` on)."""
+    start = argv.index("serve")
+    return serve_retention(build_parser("serve").parse_args(argv[start:]))
+
+
+def assert_default_retention(argv: list[str]) -> None:
+    # Every deploy file runs bounded, by serve's own defaults: no flag overrides them.
+    assert serve_bounds(argv) == (DEFAULT_RETENTION_DAYS, DEFAULT_MAX_DB_MB), argv
+    assert "--keep-everything" not in argv
+
+
 def run_daemon_argv(argv: list[str], tmp_path: Path) -> None:
-    """Start the daemon with ``argv`` (port made free), connect once, stop it cleanly."""
+    """Start the daemon with ``argv`` (port made free), connect once, stop it cleanly;
+    its log states the default retention."""
     port = free_port()
     argv = replace_flag(argv, "--port", str(port))
     db = Path(flag(argv, "--db"))
@@ -70,6 +88,7 @@ def run_daemon_argv(argv: list[str], tmp_path: Path) -> None:
     assert db.exists()
     token = Path(flag(argv, "--token-file")).read_text().strip()
     assert token not in daemon.log() and token.encode() not in db.read_bytes()
+    assert DEFAULT_RETENTION_LOG in daemon.log(), daemon.log()
 
 
 def write_token(path: Path) -> Path:
@@ -105,6 +124,7 @@ def test_systemd_unit_parses() -> None:
         assert token_file.startswith("/etc/traceml/")
     assert flag(argv, "--db").startswith(f"%S/{svc['StateDirectory']}/")
     assert flag(argv, "--host") == "0.0.0.0"
+    assert_default_retention(argv)
     assert svc["Restart"] == "on-failure"
     hardening = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
                  "PrivateTmp": "yes", "DynamicUser": "yes", "CapabilityBoundingSet": ""}
@@ -219,6 +239,7 @@ def test_sbatch_runs_with_stub_slurm(tmp_path: Path) -> None:
     assert flag(daemon_argv, "--host") == "0.0.0.0" and flag(daemon_argv, "--port") == str(port)
     assert flag(daemon_argv, "--token-file") == str(shared / "token")
     assert flag(daemon_argv, "--db") == str(shared / "traceml.db")
+    assert_default_retention(daemon_argv)
     assert (log / "daemon.stopped").exists()  # SIGTERM at the end of the job
 
     srun_args = (log / "srun.args").read_text().splitlines()
@@ -296,6 +317,11 @@ def test_k8s_daemon_manifest() -> None:
     assert flag(args, "--db").startswith(mounts[db_volume] + "/")
     secret_volume = next(n for n, v in volumes.items() if "secret" in v)
     assert flag(args, "--token-file").startswith(mounts[secret_volume] + "/")
+    # The image's ENTRYPOINT (serve) plus these args: bounded by the defaults, and the claim
+    # holds the capped database with room to spare for the WAL and the summary.
+    assert_default_retention(["serve", "--host", "0.0.0.0", *args])
+    storage = pvc["spec"]["resources"]["requests"]["storage"]
+    assert storage.endswith("Gi") and int(storage[:-2]) * 1024 >= 1.25 * DEFAULT_MAX_DB_MB, storage
     # Selector and ports line up: the Service reaches the pod's daemon port.
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
@@ -371,6 +397,7 @@ def test_containerfile_parses() -> None:
                 assert (REPO / src).exists(), src
     entry = json.loads(dict(instructions)["ENTRYPOINT"])
     assert entry[:4] == ["traceml-daemon", "serve", "--host", "0.0.0.0"]
+    assert_default_retention(entry + json.loads(dict(instructions)["CMD"]))
 
 
 def test_containerfile_command_runs(tmp_path: Path) -> None:

@@ -3,6 +3,12 @@
 The live TUI, the final summary and compare all pass the same ``Policy`` so a
 verdict means the same thing everywhere; change a number here, not in a domain.
 Fractions are of the reference step time unless said otherwise.
+
+A site overrides any of them without editing code: ``--policy FILE`` (serve,
+summary, tui) reads a TOML file whose sections are the ``Policy`` fields below
+and whose keys are their fields (``analysis/policy_file.py``). Every verdict,
+its rule and the fields it reads are in ``docs/diagnosis.md``; a field added
+here is settable from a file at once.
 """
 
 from __future__ import annotations

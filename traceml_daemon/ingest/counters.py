@@ -43,6 +43,12 @@ class Counters:
     # History folds that could not be written even alone and were let go (their raw
     # rows stay); never expected, counted so that it cannot go unseen.
     history_writes_dropped: int = 0
+    # Raw rows deleted by retention (store/retention.py), by age, by size, or to make room on a full disk.
+    rows_deleted_by_retention: int = 0
+    # Agent batches, and the rows they held, acknowledged unstored because the disk was full
+    # (ingest/disk_full.py).
+    batches_dropped_disk_full: int = 0
+    rows_dropped_disk_full: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

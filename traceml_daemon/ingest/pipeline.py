@@ -15,6 +15,7 @@ other job has a module of its own:
 * ``ingest/transactions.py``: one transaction, whole, on the database thread;
 * ``ingest/recovery.py``: a transaction that failed for its data, written apart,
   what fails alone set aside (``ingest/quarantine.py``) and every batch acknowledged;
+* ``ingest/disk_full.py``: a transaction that failed with the disk full;
 * ``store/statements.py``: rows as multi-row statements (few GIL hand-offs);
 * ``ingest/history_feed.py``: committed steps folded into history, written when due;
 * ``ingest/resume.py``: what ``open()`` reads back, and history's catch-up;
@@ -38,6 +39,7 @@ import aiosqlite
 from traceml_daemon.ingest import quarantine
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.ingest.decode import Ingestor, Plan
+from traceml_daemon.ingest.disk_full import DiskFull
 from traceml_daemon.ingest.history_feed import HistoryFeed, HistoryHead
 from traceml_daemon.ingest.hygiene import ProcessHygiene
 from traceml_daemon.ingest.live import Aggregates
@@ -57,9 +59,10 @@ from traceml_daemon.ingest.transactions import Chain, Skipped, run_chained, run_
 from traceml_daemon.net.inbound import ByteQueue
 from traceml_daemon.store.checkpointer import Checkpointer
 from traceml_daemon.store.db_thread import on_db_thread, require_private_api
+from traceml_daemon.store.disk_full import is_disk_full
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.policy import DEFAULT_POLICY, IngestPolicy
-from traceml_daemon.store.retention import RetentionPolicy, RetentionSchedule
+from traceml_daemon.store.retention import RetentionPolicy, RetentionSchedule, make_room
 from traceml_daemon.store.schema import PRAGMAS
 
 __all__ = ["Staged", "StoreWriter", "WorkItem"]
@@ -93,6 +96,7 @@ class StoreWriter:
         *,
         policy: IngestPolicy = DEFAULT_POLICY,
         retention: RetentionPolicy | None = None,
+        drop_when_full: bool = False,
         tune_gil: bool = True,
         # Single-threshold overrides of ``policy`` (tests).
         max_txn_bytes: int | None = None,
@@ -118,6 +122,8 @@ class StoreWriter:
         self.ingestor = Ingestor()
         self.history = HistoryFeed(self.policy, lambda: len(self.ingestor.known))
         self.retention = RetentionSchedule(retention)
+        # drop_when_full (serve): what a full disk cannot hold is acknowledged and counted.
+        self.disk_full = DiskFull(self.counters, drop_when_full)
         self.hygiene = ProcessHygiene(self.policy)
         self.checkpointer = Checkpointer(path, self.policy.checkpoint_interval_s, self.policy.wal_autocheckpoint_pages)
         self._db: aiosqlite.Connection | None = None
@@ -203,11 +209,20 @@ class StoreWriter:
 
     async def maybe_enforce_retention(self) -> None:
         """After a transaction: a retention pass when one is due (``RetentionSchedule``)."""
-        await self.retention.maybe_run(self._db)
+        self.counters.rows_deleted_by_retention += await self.retention.maybe_run(self._db)
 
     async def enforce_retention(self) -> int:
         """One bounded retention pass now; returns raw rows deleted."""
-        return await self.retention.run(self._db)
+        deleted = await self.retention.run(self._db)
+        self.counters.rows_deleted_by_retention += deleted
+        return deleted
+
+    async def _make_room(self) -> int:
+        """The disk is full: the oldest raw rows deleted now, where a size cap allows it."""
+        assert self._db is not None
+        deleted = await make_room(self._db, self.retention.policy)
+        self.counters.rows_deleted_by_retention += deleted
+        return deleted
 
     async def run(self, queue: ByteQueue[WorkItem]) -> None:
         """Drain ``queue`` until it is closed and empty.
@@ -378,6 +393,7 @@ class StoreWriter:
     def _committed(self, plan: Plan, counters: dict[str, int]) -> None:
         """``plan`` committed with ``counters`` stored: its marks, counters and steps are current."""
         self.ingestor.commit(plan)
+        self.disk_full.wrote()
         for name in PLAN_COUNTERS:
             setattr(self.counters, name, counters[name])
         if plan.steps_by_rank:
@@ -393,9 +409,17 @@ class StoreWriter:
         skipped = isinstance(failure, Skipped)
         # The transactions queued behind a failure learn from it whether to retry.
         recoverable = submitted.chain.recoverable if skipped else is_data_error(failure)
+        full = submitted.chain.disk_full if skipped else is_disk_full(failure)
         if not skipped:
-            submitted.chain.recoverable = recoverable
+            submitted.chain.recoverable, submitted.chain.disk_full = recoverable, full
         submitted.acks = [False] * len(work)
+        if full:
+            rows = submitted.staged.plan.rows_stored
+            settled = await self.disk_full.settle(work, rows, failure, self._write_alone, self._make_room)
+            if settled is not None:
+                submitted.acks, submitted.settled = settled
+                return False
+            recoverable = True  # written again, it failed for its data: written apart below
         if not recoverable:
             if skipped:
                 log.error("write of %d batches skipped behind a failed one, not acknowledged", len(work))

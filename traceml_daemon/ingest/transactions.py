@@ -65,6 +65,7 @@ class Chain:
 
     broken: bool = False
     recoverable: bool = False
+    disk_full: bool = False  # set with ``recoverable``: the failure was a full disk (ingest/disk_full.py)
 
 
 def run_chained(conn: sqlite3.Connection, queued: Chain, *args: Any) -> None:

@@ -7,7 +7,8 @@ Two sources, chosen by cost:
   daemon's delivery ``Counters``;
 * from the database, read-only in a worker thread and cached for
   ``refresh_s``: rank identity (session, node, rank labels), the latest host
-  and GPU sample per node, relay counters and the current verdicts. A scrape
+  and GPU sample per node, relay counters, the current verdicts (under the
+  daemon's ``--policy``) and the database's size. A scrape
   therefore never blocks the event loop, and the writer never pays for it.
 
 Only sessions this daemon process has stored steps for are exposed, so a
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.ingest.live import Aggregates, RankSnapshot
 from traceml_daemon.metrics.exposition import GpuMetrics, MetricsSnapshot, NodeMetrics, RankMetrics, VerdictMetric
@@ -52,6 +55,7 @@ class _DbState:
     relay: dict[str, int] = field(default_factory=dict)
     rows_dropped_reported: int = 0  # rows agents reported lost, summed
     batches_dropped_reported: int = 0  # batches agents and relays reported lost, summed
+    database: dict[str, int] = field(default_factory=dict)  # gauge name -> bytes (database_bytes)
 
 
 def _label(value: int | None) -> str:
@@ -78,12 +82,29 @@ def _nodes(conn: sqlite3.Connection, session: str, ranks: list[reader.RankRow]) 
     return [best[k][1] for k in sorted(best)]
 
 
-def _verdicts(conn: sqlite3.Connection, run: reader.RunRef, ranks: list[reader.RankRow]) -> list[VerdictMetric]:
+def database_bytes(conn: sqlite3.Connection, db_path: str) -> dict[str, int]:
+    """What the database takes: its files on disk (with the WAL) and the pages in use, which
+    retention's size cap counts (freed pages are reused, so the file does not shrink)."""
+    pages, free, size = (
+        int(conn.execute(f"PRAGMA {p}").fetchone()[0]) for p in ("page_count", "freelist_count", "page_size")
+    )
+    on_disk = 0
+    for path in (db_path, db_path + "-wal"):
+        try:
+            on_disk += os.path.getsize(path)
+        except OSError:
+            pass  # no WAL right after a checkpoint truncated it, or the file went: not an error of the scrape
+    return {"database_size_bytes": on_disk, "database_used_bytes": (pages - free) * size}
+
+
+def _verdicts(
+    conn: sqlite3.Connection, run: reader.RunRef, ranks: list[reader.RankRow], policy: Policy | None = None
+) -> list[VerdictMetric]:
     try:
         from traceml_daemon.analysis.engine import diagnose
 
         data = reader.load_run(conn, run, last_n=VERDICT_WINDOW, live=True)
-        verdicts = diagnose(data)
+        verdicts = diagnose(data, policy)
     except Exception:
         # The diagnosis must never cost the user the rest of the scrape.
         log.exception("diagnosis for /metrics failed")
@@ -105,11 +126,12 @@ def _verdicts(conn: sqlite3.Connection, run: reader.RunRef, ranks: list[reader.R
     return out
 
 
-def read_db_state(db_path: str, live_rank_ids: set[int]) -> _DbState:
+def read_db_state(db_path: str, live_rank_ids: set[int], policy: Policy | None = None) -> _DbState:
     """Everything the scrape needs from SQLite (runs in a worker thread)."""
     state = _DbState()
     conn = reader.open_readonly(db_path)
     try:
+        state.database = database_bytes(conn, db_path)
         runs: dict[str, int] = {}  # session -> newest attempt among the live ranks
         for rank in reader.all_ranks(conn):
             if rank.rank_id not in live_rank_ids:
@@ -121,7 +143,7 @@ def read_db_state(db_path: str, live_rank_ids: set[int]) -> _DbState:
             run = reader.RunRef(session, runs[session])
             ranks = reader.load_ranks(conn, run)
             state.nodes += _nodes(conn, session, ranks)
-            state.verdicts += _verdicts(conn, run, ranks)
+            state.verdicts += _verdicts(conn, run, ranks, policy)
         for name, value in reader.delivery_counters(conn).items():
             # agents_connected is a current count stored as a maximum: not a counter.
             if name.startswith("relay_") and name != "relay_agents_connected":
@@ -170,8 +192,10 @@ class MetricsCollector:
         counters: Counters,
         refresh_s: float = 2.0,
         process_counters: Callable[[], dict[str, int]] | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.db_path = db_path
+        self.policy = policy  # the thresholds of serve --policy (None: the defaults)
         self.aggregates = aggregates
         self.counters = counters
         self.process_counters = process_counters  # the daemon process's own (WAL checkpoints)
@@ -187,7 +211,7 @@ class MetricsCollector:
             if fresh and live_ids <= self._db_ids:
                 return self._db
             try:
-                self._db = await asyncio.to_thread(read_db_state, self.db_path, set(live_ids))
+                self._db = await asyncio.to_thread(read_db_state, self.db_path, set(live_ids), self.policy)
                 self._db_ids = live_ids
             except (sqlite3.Error, reader.StoreError) as exc:
                 log.warning("metrics: cannot read %s, serving the previous values: %s", self.db_path, exc)
@@ -208,6 +232,7 @@ class MetricsCollector:
             },
             relay=db.relay,
             process=self.process_counters() if self.process_counters is not None else {},
+            database=dict(db.database),
         )
 
     async def render(self) -> str:

@@ -78,6 +78,8 @@ class MetricsSnapshot:
     relay: dict[str, int] = field(default_factory=dict)  # relay stats summed over relays: name -> value
     # This daemon process's own counters since it started (its WAL checkpointer's): name -> value.
     process: dict[str, int] = field(default_factory=dict)
+    # The database's files on disk and its pages in use: name -> bytes (metrics/collect.database_bytes).
+    database: dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- render
@@ -213,6 +215,21 @@ def _delivery_families(snapshot: MetricsSnapshot) -> list[_Family]:
     return out
 
 
+_DATABASE_HELP = {
+    "database_size_bytes": "The database file and its WAL on disk.",
+    "database_used_bytes": "Database pages in use: what retention's size cap (--max-db-mb) counts.",
+}
+
+
+def _database_families(database: dict[str, int]) -> list[_Family]:
+    out: list[_Family] = []
+    for name, value in sorted(database.items()):
+        fam = _Family(_sanitize_name(name), "gauge", _DATABASE_HELP.get(name, name), "bytes")
+        fam.add({}, value)
+        out.append(fam)
+    return out
+
+
 def render_openmetrics(snapshot: MetricsSnapshot) -> str:
     """The whole exposition, ending with ``# EOF`` and a newline."""
     families = [
@@ -220,6 +237,7 @@ def render_openmetrics(snapshot: MetricsSnapshot) -> str:
         *_node_families(snapshot.nodes),
         _verdict_family(snapshot.verdicts),
         *_delivery_families(snapshot),
+        *_database_families(snapshot.database),
     ]
     lines = [line for fam in families for line in fam.lines()]
     lines.append("# EOF")

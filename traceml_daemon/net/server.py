@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
@@ -51,6 +52,7 @@ class ServerConfig:
     metrics_port: int | None = None  # serve OpenMetrics on GET /metrics when set (0 = any free port)
     retention_days: float | None = None  # delete raw rows older than this (history stays)
     max_db_mb: float | None = None  # delete the oldest raw rows while the db uses more
+    policy: Policy | None = None  # thresholds of the live diagnosis on /metrics (None: the defaults)
 
 
 class DaemonServer:
@@ -63,6 +65,8 @@ class DaemonServer:
             self.counters,
             self.aggregates,
             retention=RetentionPolicy.from_flags(config.retention_days, config.max_db_mb),
+            # A full disk must not stop the daemon: what does not fit is acknowledged and counted.
+            drop_when_full=True,
         )
         self.queue: ByteQueue[WorkItem] = ByteQueue(config.queue_bytes)
         self.peers = PeerHandler(
@@ -168,7 +172,8 @@ class DaemonServer:
 
         host = self.config.metrics_host
         collector = MetricsCollector(
-            self.config.db_path, self.aggregates, self.counters, process_counters=self.writer.checkpointer.statistics
+            self.config.db_path, self.aggregates, self.counters, process_counters=self.writer.checkpointer.statistics,
+            policy=self.config.policy,
         )
         metrics: asyncio.Server | None = None
         try:

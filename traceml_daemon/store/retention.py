@@ -12,9 +12,19 @@ run's overview, counters and each rank's last status survive the raw rows.
 rowids are the oldest, and a chunk is found through the rowid B-tree without
 scanning (no ts index to maintain on the ingest path).
 
+Age is counted back from the newest row of each table (its last rowid), never
+from later than now: a database that receives nothing new keeps what it holds,
+and a run replayed from old spools is not deleted as it arrives.
+
 Size is the space the database uses, ``(page_count - freelist_count) *
 page_size``: SQLite does not shrink the file after a DELETE, it reuses the
 freed pages, so the file stays near ``max_db_bytes`` instead of growing.
+
+``serve`` is bounded by default (``DEFAULT_RETENTION_DAYS``,
+``DEFAULT_MAX_DB_MB``; ``--keep-everything`` turns both off). When the disk
+fills before the cap, ``make_room`` deletes the oldest raw rows at once so the
+writer can store what arrives (``ingest/disk_full.py``), where a size cap
+allows deleting at all.
 """
 
 from __future__ import annotations
@@ -24,14 +34,21 @@ import logging
 import sqlite3
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import aiosqlite
+from traceml_daemon.store.disk_full import is_disk_full
 
-from traceml_daemon.store.db_thread import on_db_thread
+if TYPE_CHECKING:  # annotations only: the command line reads the defaults without loading aiosqlite
+    import aiosqlite
 
 log = logging.getLogger("traceml_daemon.retention")
 # A failed pass is the writer's to report, under the writer's logger as before.
 _writer_log = logging.getLogger("traceml_daemon.writer")
+
+# serve's defaults: two weeks of raw rows, 20 GiB of database (MiB, as --max-db-mb counts).
+# History is never trimmed, so a run's overview outlives both.
+DEFAULT_RETENTION_DAYS = 14.0
+DEFAULT_MAX_DB_MB = 20 * 1024.0
 
 # Raw tables trimmed, with the column holding wall-clock time and its scale to seconds.
 # ``status`` holds one row per rank (a rank's last word: finished or not) and stays.
@@ -76,6 +93,8 @@ async def _delete_chunk(db: aiosqlite.Connection, sql: str, params: tuple[float 
     # One call on the database thread: the writer queues its next transaction on that
     # thread while the previous one runs, and one queued between this BEGIN and
     # COMMIT would begin inside it.
+    from traceml_daemon.store.db_thread import on_db_thread  # loads aiosqlite: not at the CLI's import
+
     return int(await on_db_thread(db, _delete_chunk_now, sql, params))
 
 
@@ -91,14 +110,39 @@ def _delete_chunk_now(conn: sqlite3.Connection, sql: str, params: tuple[float | 
     return max(0, deleted)
 
 
+async def _fetch(db: aiosqlite.Connection, sql: str, params: tuple[float | int, ...] = ()) -> tuple[object, ...] | None:
+    async with db.execute(sql, params) as cur:
+        row = await cur.fetchone()
+    return None if row is None else tuple(row)
+
+
+async def _age_cutoff(
+    db: aiosqlite.Connection, table: str, col: str, scale: float, policy: RetentionPolicy, now: float
+) -> float | None:
+    """The table's cutoff in its own unit when its oldest chunk holds a row before it, else None.
+
+    Two indexed reads: a pass over tables with nothing old writes nothing."""
+    assert policy.max_age_s is not None
+    newest = await _fetch(db, f"SELECT {col} FROM {table} ORDER BY rowid DESC LIMIT 1")
+    if newest is None or not isinstance(newest[0], (int, float)):
+        return None
+    cutoff = min(now * scale, float(newest[0])) - policy.max_age_s * scale
+    old = await _fetch(
+        db, f"SELECT 1 FROM (SELECT {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t < ? LIMIT 1",
+        (policy.chunk_rows, cutoff),
+    )
+    return None if old is None else cutoff
+
+
 async def _trim_age(
     db: aiosqlite.Connection, policy: RetentionPolicy, now: float, budget: int
 ) -> tuple[int, int, bool]:
     """Delete rows older than the cutoff from every raw table; (rows, chunks used, done)."""
-    assert policy.max_age_s is not None
-    cutoff = now - policy.max_age_s
     total = chunks = 0
     for table, col, scale in RAW_TABLES:
+        cutoff = await _age_cutoff(db, table, col, scale, policy, now)
+        if cutoff is None:
+            continue
         # Only the oldest chunk is examined each time: bounded work even when nothing is old.
         sql = (
             f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
@@ -107,12 +151,32 @@ async def _trim_age(
         while True:
             if chunks >= budget:
                 return total, chunks, False
-            deleted = await _delete_chunk(db, sql, (policy.chunk_rows, cutoff * scale))
+            deleted = await _delete_chunk(db, sql, (policy.chunk_rows, cutoff))
             chunks += 1
             total += deleted
             if deleted < policy.chunk_rows:
                 break
     return total, chunks, True
+
+
+async def _drop_oldest(db: aiosqlite.Connection, policy: RetentionPolicy) -> int | None:
+    """Delete the oldest chunk of steps and the other raw rows no newer; None when no steps are left."""
+    row = await _fetch(
+        db, "SELECT max(rowid), max(ts) FROM (SELECT rowid, ts FROM steps ORDER BY rowid LIMIT ?)", (policy.chunk_rows,)
+    )
+    if row is None or not isinstance(row[0], int):
+        return None
+    last_ts = row[1]
+    deleted = await _delete_chunk(db, "DELETE FROM steps WHERE rowid <= ?", (row[0],))
+    if isinstance(last_ts, (int, float)):
+        for table, col, scale in RAW_TABLES[1:]:
+            deleted += await _delete_chunk(
+                db,
+                f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
+                f"(SELECT rowid, {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t <= ?)",
+                (policy.chunk_rows, last_ts * scale),
+            )
+    return deleted
 
 
 async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: int) -> tuple[int, bool]:
@@ -122,25 +186,33 @@ async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: 
     for _ in range(budget):
         if await used_bytes(db) <= policy.max_db_bytes:
             return total, True
-        async with db.execute(
-            "SELECT max(rowid), max(ts) FROM (SELECT rowid, ts FROM steps ORDER BY rowid LIMIT ?)", (policy.chunk_rows,)
-        ) as cur:
-            row = await cur.fetchone()
-        if row is None or row[0] is None:
+        deleted = await _drop_oldest(db, policy)
+        if deleted is None:
             log.warning("database over --max-db-mb with no raw steps left to delete (history alone is larger)")
             return total, True
-        last_rowid, last_ts = row
-        deleted = await _delete_chunk(db, "DELETE FROM steps WHERE rowid <= ?", (last_rowid,))
-        if last_ts is not None:
-            for table, col, scale in RAW_TABLES[1:]:
-                deleted += await _delete_chunk(
-                    db,
-                    f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
-                    f"(SELECT rowid, {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t <= ?)",
-                    (policy.chunk_rows, last_ts * scale),
-                )
         total += deleted
     return total, await used_bytes(db) <= policy.max_db_bytes
+
+
+async def make_room(db: aiosqlite.Connection, policy: RetentionPolicy | None) -> int:
+    """The disk is full below the size cap: delete a pass's worth of the oldest raw rows now, so
+    their pages hold what arrives next. Only where a size cap is set: without one the user asked
+    to keep every row whatever its size. Returns raw rows deleted (0: nothing could be freed)."""
+    if policy is None or policy.max_db_bytes is None:
+        return 0
+    total = 0
+    try:
+        for _ in range(policy.max_chunks):
+            deleted = await _drop_oldest(db, policy)
+            if deleted is None:
+                break
+            total += deleted
+    except (sqlite3.Error, OSError) as exc:
+        # A delete writes to the WAL too, which a full disk may refuse: keep what was freed.
+        log.warning("disk full: deleting old raw rows to make room failed: %s", exc)
+    if total:
+        log.warning("disk full: retention deleted the oldest %d raw rows to make room", total)
+    return total
 
 
 @dataclass(frozen=True)
@@ -183,18 +255,20 @@ class RetentionSchedule:
         self._next = 0.0
         self._behind = False  # the last pass ran out of budget (see run)
         self._running = False
+        self._disk_full_said = False  # a full disk fails every pass: the log says so once
 
-    async def maybe_run(self, db: aiosqlite.Connection | None) -> None:
-        """After a transaction: a pass when one is due."""
+    async def maybe_run(self, db: aiosqlite.Connection | None) -> int:
+        """After a transaction: a pass when one is due; returns raw rows deleted."""
         due = self._behind or time.monotonic() >= self._next
         # Two transactions finish close together: one pass at a time.
         if self.policy is not None and due and not self._running:
             self._next = time.monotonic() + self.policy.interval_s
             self._running = True
             try:
-                await self.run(db)
+                return await self.run(db)
             finally:
                 self._running = False
+        return 0
 
     async def run(self, db: aiosqlite.Connection | None) -> int:
         """One bounded pass on ``db`` (the writer's, open); returns raw rows deleted.
@@ -204,9 +278,14 @@ class RetentionSchedule:
             return 0
         try:
             result = await enforce(db, self.policy, time.time())
-        except sqlite3.Error as exc:
-            _writer_log.error("retention failed: %s", exc)
+        except (sqlite3.Error, OSError) as exc:
             self._behind = False
+            if not is_disk_full(exc):
+                _writer_log.error("retention failed: %s", exc)
+            elif not self._disk_full_said:
+                self._disk_full_said = True
+                _writer_log.warning("retention cannot delete while the disk is full: %s", exc)
             return 0
+        self._disk_full_said = False
         self._behind = not result.done
         return result.deleted

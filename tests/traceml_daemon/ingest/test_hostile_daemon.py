@@ -112,7 +112,9 @@ def test_long_steps_saturate_history_and_longer_ones_are_not_measured(tmp_path: 
     the maximum, whose level-1024 bucket sums past int64 (pinned at its bound)."""
     db = tmp_path / "run.db"
     n = 1024
-    long = encode_body({"steps": {"step": list(range(n, 2 * n)), "ts": [1.0] * n, "step_ns": [MAX_DURATION_NS] * n}})
+    # On steps_body's clock: serve's default retention would delete rows decades older than the newest.
+    long = encode_body({"steps": {"step": list(range(n, 2 * n)), "ts": [1_700_000_000.0] * n,
+                                  "step_ns": [MAX_DURATION_NS] * n}})
     with DaemonProcess(db) as daemon, relay_to(daemon) as client:
         send(client, 1, [[A0, 1, steps_body(0, 2, step_ns=2**62)]])
         send(client, 2, [[A0, 2, long]])
@@ -217,7 +219,9 @@ def _database_with_overflowed_history(db: Path) -> None:
     conn.execute("INSERT INTO meta VALUES ('history_steps_rowid', '0')")
     conn.execute("INSERT INTO ranks (rank_id, sender, session, attempt, global_rank, node_rank, last_seq) "
                  "VALUES (1, ?, 's1', 0, 0, 0, 1)", (A0,))
-    conn.executemany("INSERT INTO steps (rank_id, step, ts, step_ns) VALUES (1, ?, 1.0, ?)", [(0, 2**62), (1, 2**62)])
+    # On steps_body's clock: serve's default retention would delete rows decades older than the newest.
+    conn.executemany("INSERT INTO steps (rank_id, step, ts, step_ns) VALUES (1, ?, 1700000000.0, ?)",
+                     [(0, 2**62), (1, 2**62)])
     conn.execute("INSERT INTO rank_history (rank_id, level, bucket, n, first_step, last_step, step_n, step_sum) "
                  "VALUES (1, 1024, 0, 2, 0, 1, 2, 1.8446744073709552e19)")
     conn.close()

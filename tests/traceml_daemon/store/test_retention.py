@@ -76,7 +76,8 @@ def test_size_retention_deletes_oldest_until_under_the_cap(tmp_path: Path) -> No
 
 
 def test_age_retention_keeps_each_ranks_last_status(tmp_path: Path) -> None:
-    """status holds one row per rank (its last word, e.g. finished): not a time series to trim."""
+    """status holds one row per rank (its last word, e.g. finished): not a time series to trim.
+    Age counts back from the newest row, so another rank's recent step makes rank 0's old."""
     db = tmp_path / "status.db"
     old_ts = time.time() - 10 * 86400
     sender = agent_sender("s1", 0)
@@ -90,13 +91,14 @@ def test_age_retention_keeps_each_ranks_last_status(tmp_path: Path) -> None:
         writer = StoreWriter(str(db), retention=RetentionPolicy(max_age_s=7 * 86400, chunk_rows=500, max_chunks=10))
         await writer.open()
         assert await writer.write([WorkItem(RELAY, "s1", 1, [[sender, 1, body]], {sender: {"global_rank": 0}}, {}, {})])
+        assert await writer.write([batch(2, [1], 0, 1, ts0=time.time())])
         deleted = await writer.enforce_retention()
         await writer.close()
         return deleted
 
     assert asyncio.run(go()) == 100  # the old steps went
     conn = ro(db)
-    assert conn.execute("SELECT count(*) FROM steps").fetchone() == (0,)
+    assert conn.execute("SELECT count(*), min(rank_id) FROM steps").fetchone() == (1, 2)  # rank 1's recent step
     assert conn.execute("SELECT steps_done, finished FROM status").fetchall() == [(100, 1)]
     conn.close()
 

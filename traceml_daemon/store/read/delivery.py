@@ -23,12 +23,15 @@ from traceml_wire.bounds import INT64_MAX
 AGENT_ROW_DROPS = ("recorder_rows", "steps_dropped", "scalars_dropped", "sender_oversize_rows")
 AGENT_BATCH_DROPS = ("sender_batches",)
 RELAY_BATCH_DROPS = ("dropped_batches",)
+# The daemon's own: rows it acknowledged unstored because its disk was full (ingest/disk_full.py).
+DAEMON_ROW_DROPS = ("rows_dropped_disk_full",)
 
 
 def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
     """Flat counters for the summary: the daemon's own; rows and batches that an
-    agent or relay reported lost; every other agent and relay counter summed
-    under ``agent_<counter>`` / ``relay_<counter>``."""
+    agent or relay reported lost (rows also those the daemon's full disk could not
+    hold); every other agent and relay counter summed under ``agent_<counter>`` /
+    ``relay_<counter>``."""
     out: dict[str, int] = {
         "frames_received": 0,
         "rows_stored": 0,
@@ -51,6 +54,8 @@ def delivery_counters(conn: sqlite3.Connection) -> dict[str, int]:
         value = int(min(summed, INT64_MAX))
         if kind == "daemon":
             out[counter] = value
+            if counter in DAEMON_ROW_DROPS:
+                out["rows_dropped_reported"] += value
             continue
         if kind == "agent":
             if counter in AGENT_ROW_DROPS:
