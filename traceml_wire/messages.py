@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from traceml_wire.bounds import is_int64, seq_problem
 from traceml_wire.errors import ProtocolError
 
 # The identity fields a hello may carry, their types and bounds and their check are
@@ -141,8 +142,8 @@ def _name(kind: type | tuple[type, ...]) -> str:
 
 def _seq(message: dict[str, Any]) -> int:
     seq = _require(message, "seq", int)
-    if seq < 1:
-        raise ProtocolError(f"sequence numbers start at 1, got {seq}")
+    if seq_problem(seq) is not None:
+        raise ProtocolError(f"sequence numbers run from 1 to 2**63-1, got {seq}")
     return seq
 
 
@@ -224,7 +225,7 @@ def validate_client_message(
         sender = message.get("sender")
         message["sender"] = sender if isinstance(sender, str) and 0 < len(sender) <= 200 else None
         upto = message.get("spool_dropped_upto")
-        message["spool_dropped_upto"] = upto if isinstance(upto, int) and not isinstance(upto, bool) and upto > 0 else 0
+        message["spool_dropped_upto"] = upto if is_int64(upto) and upto > 0 else 0
     return message
 
 
@@ -238,7 +239,7 @@ def validate_server_message(message: dict[str, Any]) -> dict[str, Any]:
             raise ProtocolError("challenge nonce too short")
     elif kind == ACCEPT:
         last = message.get("last_seq", 0)
-        message["last_seq"] = last if isinstance(last, int) and not isinstance(last, bool) else 0
+        message["last_seq"] = last if is_int64(last) and last >= 0 else 0
         if "proof" in message and not isinstance(message["proof"], bytes):
             del message["proof"]  # a malformed proof counts as none (the client then refuses to trust it)
     elif kind == REFUSE:

@@ -249,3 +249,13 @@ def test_rbatch_spool_fields_are_optional_and_typed() -> None:
     assert junk["sender"] is None and junk["spool_dropped_upto"] == 0
     junk = check({**m.relay_batch(4, [], {}, {}, {}), "sender": 7, "spool_dropped_upto": -2})
     assert junk["sender"] is None and junk["spool_dropped_upto"] == 0
+
+
+def test_sequence_numbers_and_spool_marks_beyond_int64_never_pass_the_wire() -> None:
+    with pytest.raises(ProtocolError, match="2\\*\\*63-1"):
+        m.validate_client_message(m.relay_batch(2**63, [], {}, {}, {}))
+    with pytest.raises(ProtocolError, match="2\\*\\*63-1"):
+        m.validate_client_message(m.batch(2**64 - 1, b""))
+    spooled = m.relay_batch(1, [], {}, {}, {}, sender="relay/s/n0/1-ab", spool_dropped_upto=2**64 - 1)
+    assert m.validate_client_message(spooled)["spool_dropped_upto"] == 0
+    assert m.validate_server_message(m.accept(2**64 - 1))["last_seq"] == 0
