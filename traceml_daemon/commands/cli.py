@@ -1,7 +1,7 @@
 """``traceml-daemon`` command line: argument parsing and dispatch only.
 
 ``serve``, ``summary`` and ``ingest`` live here; ``demo``, ``tui``, ``compare``,
-``export`` and ``launch`` belong to their own modules, imported only when that
+``export``, ``runs`` and ``launch`` belong to their own modules, imported only when that
 subcommand runs (so ``traceml-daemon summary`` never loads textual). Each such
 module provides ``add_arguments(parser)`` and ``main(args) -> int``.
 """
@@ -30,6 +30,7 @@ LAZY: dict[str, tuple[str, str]] = {
     "tui": ("traceml_daemon.tui.app", "attach the terminal UI to a live or finished run (read-only)"),
     "compare": ("traceml_daemon.commands.compare", "two runs side by side, first divergent step"),
     "export": ("traceml_daemon.commands.export", "export a run as a Chrome trace or CSV"),
+    "runs": ("traceml_daemon.commands.runs", "list the runs (sessions) in a database"),
     "launch": ("traceml_daemon.commands.launch", "start a daemon and a training command together"),
 }
 
@@ -106,6 +107,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--db", default=DEFAULT_DB, help=f"database (default ./{DEFAULT_DB})")
     p.add_argument("--json", action="store_true", help="print JSON on stdout")
     p.add_argument("--no-files", action="store_true", help="do not write final_summary.json/.txt next to the db")
+    p.add_argument("--session", default=None, help="this session (default: the latest run; `runs` lists them)")
     p = sub.add_parser("ingest", help="load relay spool files into a database")
     p.add_argument("files", nargs="+", help="spool files written by relays")
     p.add_argument("--db", default=DEFAULT_DB, help=f"database (default ./{DEFAULT_DB})")
@@ -235,12 +237,14 @@ def _serve_with_tui(db_path: str) -> int:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from traceml_daemon.commands.summary import build_summary, render_text, write_summary_files
-    from traceml_daemon.store.reader import StoreError
+    from traceml_daemon.store.reader import StoreError, UnknownSession
 
     try:
-        summary = build_summary(args.db)
+        summary = build_summary(args.db, session=args.session)
     except StoreError as exc:
         raise UsageError(str(exc)) from None
+    except UnknownSession as exc:
+        raise UsageError(f"{args.db}: {exc}") from None
     if not args.no_files:
         try:
             write_summary_files(args.db, summary)

@@ -32,7 +32,7 @@ from traceml_daemon import __version__
 from traceml_daemon.store.read import spans as stored_spans
 from traceml_daemon.store.read import steps as stored_steps
 from traceml_daemon.store.read.connect import connect_file, table_names
-from traceml_daemon.store.read.runs import session_names
+from traceml_daemon.store.read.runs import UnknownSession, resolve_run
 from traceml_daemon.store.reader import all_ranks
 from traceml_wire.tables import PHASES
 
@@ -104,7 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output file; a name ending in .gz is written gzip-compressed")
     parser.add_argument("--steps", default=None, metavar="A:B",
                         help="only steps A..B, both inclusive (A: or :B leave one end open)")
-    parser.add_argument("--session", default=None, help="only this session (default: every session in the database)")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument("--session", default=None,
+                      help="this session, every attempt of it (default: the latest run; `traceml-daemon runs` lists them)")
+    runs.add_argument("--all-sessions", action="store_true", help="every session in the database, a lane set each")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -114,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
             raise ExportError(f"unknown format {args.format!r} (expected one of: {', '.join(FORMATS)})")
         steps = parse_steps(args.steps)
         with open_db(Path(args.db)) as con:
-            ranks = load_ranks(con, args.session)
+            ranks = load_ranks(con, args.session, every=getattr(args, "all_sessions", False))
             out = Path(args.out)
             note = ""
             if fmt == "chrome":
@@ -167,14 +170,21 @@ def open_db(path: Path) -> Iterator[sqlite3.Connection]:
         con.close()
 
 
-def load_ranks(con: sqlite3.Connection, session: str | None) -> list[Rank]:
+def load_ranks(con: sqlite3.Connection, session: str | None, every: bool = False) -> list[Rank]:
+    """The ranks exported: every attempt of ``session``, else of the latest run, or (``every``)
+    all of the database's; ExportError naming the sessions there when ``session`` is not."""
+    if not every:
+        try:
+            run = resolve_run(con, session)
+        except UnknownSession as exc:
+            raise ExportError(str(exc)) from None
+        if run is None:
+            return []
+        session = run.session
     ranks = [
         Rank(r.rank_id, str(r.session), int(r.attempt or 0), r.global_rank, r.local_rank, r.node_rank, r.hostname)
-        for r in all_ranks(con, session)
+        for r in all_ranks(con, None if every else session)
     ]
-    if session is not None and not ranks:
-        known = session_names(con)
-        raise ExportError(f"no session {session!r} in the database (sessions: {', '.join(known) or 'none'})")
     return sorted(ranks, key=Rank.sort_key)
 
 

@@ -70,16 +70,17 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
     }
 
 
-def build_summary(db_path: str) -> dict[str, Any]:
-    """Summarise the latest run (latest session, highest attempt). Raises reader.StoreError."""
+def build_summary(db_path: str, *, session: str | None = None) -> dict[str, Any]:
+    """Summarise ``session`` (default: the latest run) at its highest attempt.
+    Raises reader.StoreError, reader.UnknownSession."""
     with gc_paused():  # a bulk read of acyclic rows (see gc_pause)
-        return _build_summary(db_path)
+        return _build_summary(db_path, session)
 
 
-def _build_summary(db_path: str) -> dict[str, Any]:
+def _build_summary(db_path: str, session: str | None = None) -> dict[str, Any]:
     conn = reader.open_readonly(db_path)
     try:
-        run_ref = reader.latest_run(conn)
+        run_ref = reader.resolve_run(conn, session)  # raises reader.UnknownSession
         summary: dict[str, Any] = {
             "schema_version": reader.schema_version(conn),
             "db": os.path.abspath(db_path),

@@ -3,7 +3,8 @@
 The summary, compare, the TUI's analyzer and ``/metrics`` load data through here:
 
     conn = open_readonly(path)             # raises StoreError naming the path
-    run = latest_run(conn)                 # RunRef(session, attempt) or None
+    run = resolve_run(conn, session)       # RunRef(session, attempt): that session's or the latest;
+                                           # None when empty, UnknownSession when not there
     ranks = load_ranks(conn, run)          # list[RankRow]
     data = load_run(conn, run, last_n=200) # analysis.model.RunData
     counters = delivery_counters(conn)     # flat summary counters
@@ -26,15 +27,25 @@ from traceml_daemon.store.read import detail, samples, steps
 from traceml_daemon.store.read.connect import StoreError, open_readonly, schema_version
 from traceml_daemon.store.read.delivery import AGENT_BATCH_DROPS, AGENT_ROW_DROPS, RELAY_BATCH_DROPS, delivery_counters
 from traceml_daemon.store.read.detail import fsdp2_memory
-from traceml_daemon.store.read.runs import RunRef, current_run, latest_run, list_runs, run_bounds, run_parallelism
+from traceml_daemon.store.read.runs import (
+    RunRef,
+    UnknownSession,
+    current_run,
+    latest_run,
+    list_runs,
+    resolve_run,
+    run_bounds,
+    run_parallelism,
+)
 from traceml_daemon.store.read.steps import StepCounts
 from traceml_daemon.store.schema import RANK_COLUMNS
 
 __all__ = [
     "AGENT_BATCH_DROPS", "AGENT_ROW_DROPS", "RELAY_BATCH_DROPS", "SAMPLE_BUDGET_ROWS", "SAMPLE_MIN_STEPS",
-    "SAMPLE_TAIL_STEPS", "RankRow", "RunRef", "StepCounts", "StoreError", "all_ranks", "current_run",
-    "delivery_counters", "fsdp2_memory", "latest_run", "list_runs", "load_rank_data", "load_ranks", "load_run",
-    "load_systems", "load_window_run", "open_readonly", "run_bounds", "run_parallelism", "schema_version",
+    "SAMPLE_TAIL_STEPS", "RankRow", "RunRef", "StepCounts", "StoreError", "UnknownSession", "all_ranks",
+    "current_run", "delivery_counters", "fsdp2_memory", "latest_run", "list_runs", "load_rank_data", "load_ranks",
+    "load_run", "load_systems", "load_window_run", "open_readonly", "resolve_run", "run_bounds", "run_parallelism",
+    "schema_version",
 ]
 
 # Older names of the step counts, still called by the summary's tests.
@@ -210,15 +221,17 @@ def load_nonfinite(conn: sqlite3.Connection, ranks: list[RankRow]) -> list[NonFi
     ]
 
 
-def load_window_run(conn: sqlite3.Connection, window: int, now: float | None = None) -> RunData:
-    """The current run (``current_run``) over each rank's newest ``window`` steps, read
+def load_window_run(
+    conn: sqlite3.Connection, window: int, now: float | None = None, run: RunRef | None = None
+) -> RunData:
+    """``run`` (default: ``current_run``) over each rank's newest ``window`` steps, read
     set-based (a few statements whatever the rank count), plus each node's newest
     ``window`` host and GPU samples (``load_systems``: two index seeks per rank).
 
     The TUI's analyzer reads this every few refreshes; call it inside a read
     transaction (``connect.snapshot``) for a consistent picture.
     """
-    run = current_run(conn)
+    run = run or current_run(conn)
     if run is None:
         return RunData(ranks=[])
     rows = load_ranks(conn, run)

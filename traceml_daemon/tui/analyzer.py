@@ -13,6 +13,7 @@ from collections.abc import Callable
 from traceml_daemon.analysis.model import Verdict
 from traceml_daemon.analysis.nodes import node_views
 from traceml_daemon.store.read.connect import snapshot
+from traceml_daemon.store.read.runs import RunRef
 from traceml_daemon.store.reader import load_window_run
 from traceml_daemon.tui.data import WINDOW, open_database
 from traceml_daemon.tui.model import Analysis
@@ -32,9 +33,10 @@ class Analyzer:
     def close(self) -> None:
         self.con.close()
 
-    def run(self) -> Analysis:
+    def run(self, shown: RunRef | None = None) -> Analysis:
+        """Analyse ``shown``, the run the TUI shows (None: the latest run)."""
         with snapshot(self.con):
-            run = load_window_run(self.con, self.window, self.clock())
+            run = load_window_run(self.con, self.window, self.clock(), shown)
         # analysis.nodes.node_views: the worst rank is the one with the most busy time,
         # the definition the summary uses too.
         views = {int(v["node_rank"]): v for v in node_views(run)}

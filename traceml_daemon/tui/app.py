@@ -11,7 +11,9 @@ takes at most about a quarter of the wall time (1024 ranks: a few per second).
 Diagnosis and node views (the costly part at thousands of ranks) run in a
 second worker on their own connection, on the first refresh and then about
 every ``analyze_every`` x ``refresh_s`` seconds, so a refresh never waits for
-them; their result is merged into the snapshot already shown. Pass ``clock``
+them; their result is merged into the snapshot already shown. The view shows
+one run (``tui.follow``): ``--session``'s, else the latest as of opening; a job
+that starts later is announced, and ``r`` opens the run picker. Pass ``clock``
 to freeze "now" (snapshots); ``refresh_s=0`` reads only on mount and on
 navigation (tests).
 """
@@ -29,17 +31,21 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
+from traceml_daemon.store.read.runs import RunInfo, RunRef
 from traceml_daemon.tui.analyzer import Analyzer
-from traceml_daemon.tui.data import TuiData
+from traceml_daemon.tui.data import TuiData, read_runs, session_error
 from traceml_daemon.tui.model import Analysis, DatabaseMissing, Snapshot, with_analysis
 from traceml_daemon.tui.screens import (
     HelpScreen,
     JumpScreen,
     NodeScreen,
     OverviewScreen,
+    Pick,
     RankScreen,
+    RunsScreen,
     VerdictsScreen,
 )
+from traceml_daemon.tui.widgets import clean
 
 DEFAULT_DB = "traceml.db"
 
@@ -64,6 +70,7 @@ class TraceApp(App[None]):
         Binding("q", "quit", "Quit"),
         Binding("v", "verdicts", "Findings"),
         Binding("slash", "jump", "Jump"),
+        Binding("r", "runs", "Runs"),
         Binding("question_mark", "help", "Help"),
     ]
 
@@ -75,13 +82,16 @@ class TraceApp(App[None]):
         refresh_s: float = 1.0,
         poll_s: float = 0.1,
         analyze_every: int = 5,
+        session: str | None = None,
     ) -> None:
         super().__init__()
         self.db_path = db_path
         self.clock = clock or time.time
         self.refresh_s = refresh_s
         self.poll_s = min(poll_s, refresh_s) if refresh_s > 0 else 0.0
-        self.data = TuiData(db_path, clock=self.clock)  # raises DatabaseMissing with the path
+        # session: pinned (tui --session); None follows the latest run and announces new ones.
+        self.data = TuiData(db_path, clock=self.clock, session=session)  # raises DatabaseMissing with the path
+        self.announced: set[str] = set()  # new runs already notified, each once
         self.analyzer = Analyzer(db_path, clock=self.clock)
         self.analyze_every = max(1, analyze_every)
         self.analysis: Analysis | None = None  # latest result of the analysis worker
@@ -172,6 +182,8 @@ class TraceApp(App[None]):
                 screen.show(snap)
             else:
                 self._pending = True  # the screen changed while reading: read for the new one
+        if snap is not None:
+            self._announce(snap.overview.new_runs)
         if error != self.last_error and error is not None:
             # markup=False: the message may quote a name a peer sent.
             self.notify(error, title="read failed", severity="error", markup=False)
@@ -215,14 +227,17 @@ class TraceApp(App[None]):
     def _analyze(self) -> None:
         t0 = time.monotonic()
         try:
-            result: Analysis | None = self.analyzer.run()
+            shown = self.data.run  # the run on screen; another may be picked meanwhile
+            result: Analysis | None = self.analyzer.run(shown)
         except Exception as exc:  # a locked db: the next round retries; the refresh shows the error
             result = None
             self.log.warning(f"analysis failed: {exc.__class__.__name__}: {exc}")
-        self.call_from_thread(self._apply_analysis, result, time.monotonic() - t0)
+        self.call_from_thread(self._apply_analysis, result, time.monotonic() - t0, shown)
 
-    def _apply_analysis(self, result: Analysis | None, took_s: float) -> None:
+    def _apply_analysis(self, result: Analysis | None, took_s: float, shown: RunRef | None = None) -> None:
         self._analyzing = False
+        if shown != self.data.run:
+            result = None  # findings of a run no longer on screen
         # Python threads share one core's worth of GIL: an analysis taking 1 s (4096
         # ranks) every 5 s would slow every refresh; keep it to about a fifth of the time.
         self._analysis_not_before = time.monotonic() + 4.0 * took_s
@@ -258,6 +273,48 @@ class TraceApp(App[None]):
     def _show_current(self) -> None:
         if self.last_snapshot is not None and hasattr(self.screen, "show"):
             self.screen.show(self.last_snapshot)
+
+    # ---- runs: the picker, and runs that start while the view follows another
+
+    def _announce(self, new_runs: list[str]) -> None:
+        for session in new_runs:
+            if session not in self.announced:
+                self.announced.add(session)
+                # markup=False: a session id is text a peer sent.
+                self.notify(f"new run {clean(session)} started (r: pick a run to show)", title="new run",
+                            markup=False)
+
+    def action_runs(self) -> None:
+        if not isinstance(self.screen, RunsScreen):
+            self._read_runs()
+
+    @work(thread=True, group="runs", exclusive=True, exit_on_error=False)
+    def _read_runs(self) -> None:
+        try:
+            runs, latest = read_runs(self.db_path)
+        except Exception as exc:  # a locked db: say so, keep the UI alive
+            self.call_from_thread(self.notify, f"{exc.__class__.__name__}: {exc}", title="runs", severity="error",
+                                  markup=False)
+            return
+        self.call_from_thread(self._open_runs, runs, latest)
+
+    def _open_runs(self, runs: list[RunInfo], latest: RunRef | None) -> None:
+        if not isinstance(self.screen, RunsScreen):
+            pinned = self.data.choice.pinned is not None
+            self.push_screen(RunsScreen(runs, latest, self.data.run, pinned, self.clock()), self.show_run)
+
+    def show_run(self, pick: Pick | None) -> None:
+        """Show the run picked (``Pick(None)``: follow the latest run again); None: keep the view."""
+        if pick is None:
+            return
+        self.data.select(pick.session)
+        self.analysis = None  # the findings were of the run shown before
+        while len(self.screen_stack) > 1 and not isinstance(self.screen, OverviewScreen):
+            super().pop_screen()
+        self.notify("following the latest run" if pick.session is None else f"showing run {clean(pick.session)}",
+                    title="runs", markup=False)
+        self._analysis_next = 0.0  # findings for the new run at the next refresh
+        self.request_refresh()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
@@ -302,32 +359,41 @@ def parse_jump(query: str, snap: Snapshot | None) -> tuple[str, int] | None:
     return None
 
 
-def run_tui(db_path: str) -> None:
-    """Open the TUI on ``db_path`` (live or finished run); blocks until quit."""
-    TraceApp(db_path).run()
+def run_tui(db_path: str, *, session: str | None = None) -> None:
+    """Open the TUI on ``db_path`` (live or finished run); blocks until quit.
+
+    ``session``: show that run; None follows the latest one."""
+    TraceApp(db_path, session=session).run()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, help="SQLite database written by traceml-daemon serve")
+    parser.add_argument("--session", default=None,
+                        help="show this session (default: the latest run, without jumping to runs that start later)")
 
 
-def _parse(args: Sequence[str] | argparse.Namespace | None) -> str:
+def _parse(args: Sequence[str] | argparse.Namespace | None) -> argparse.Namespace:
     if isinstance(args, argparse.Namespace):
-        return str(getattr(args, "db", None) or DEFAULT_DB)
+        return args
     parser = argparse.ArgumentParser(prog="traceml-daemon tui", description="Attach to a live or finished run.")
     add_arguments(parser)
-    ns = parser.parse_args(list(args) if args is not None else None)
-    return str(ns.db)
+    return parser.parse_args(list(args) if args is not None else None)
 
 
 def main(args: Sequence[str] | argparse.Namespace | None = None) -> int:
-    """CLI entry: ``traceml-daemon tui [--db PATH]``; returns the exit status."""
-    db = _parse(args)
+    """CLI entry: ``traceml-daemon tui [--db PATH] [--session ID]``; returns the exit status."""
+    ns = _parse(args)
+    db = str(getattr(ns, "db", None) or DEFAULT_DB)
     if not os.path.exists(db):
         print(f"traceml-daemon tui: no database at {db!r}; pass --db PATH of a run", file=sys.stderr)
         return 2
+    session = getattr(ns, "session", None)
+    problem = session_error(db, session) if session is not None else None
+    if problem is not None:
+        print(f"traceml-daemon tui: {db}: {problem}", file=sys.stderr)
+        return 2
     try:
-        run_tui(db)
+        run_tui(db, session=session)
     except DatabaseMissing as exc:
         print(f"traceml-daemon tui: {exc}", file=sys.stderr)
         return 2

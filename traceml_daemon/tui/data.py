@@ -35,9 +35,20 @@ from typing import Any
 from traceml_daemon.store import reader
 from traceml_daemon.store.read import delivery, history, steps
 from traceml_daemon.store.read.connect import connect, data_version, has_table, snapshot
-from traceml_daemon.store.read.runs import RunRef, current_run, run_last_seen, run_parallelism
+from traceml_daemon.store.read.runs import (
+    LIVE_SILENCE_S,
+    RunInfo,
+    RunRef,
+    UnknownSession,
+    latest_run,
+    resolve_run,
+    run_infos,
+    run_last_seen,
+    run_parallelism,
+)
 from traceml_daemon.store.read.series import Series
 from traceml_daemon.tui import details
+from traceml_daemon.tui.follow import RunChoice
 from traceml_daemon.tui.model import (
     Analysis,
     DatabaseMissing,
@@ -71,6 +82,33 @@ def open_database(path: str) -> sqlite3.Connection:
     return connect(path, any_thread=True)
 
 
+def read_runs(path: str) -> tuple[list[RunInfo], RunRef | None]:
+    """Every run of the database and the latest, for the run picker (a connection of its own)."""
+    con = open_database(path)
+    try:
+        if not has_table(con, "ranks"):
+            return [], None
+        return run_infos(con), latest_run(con)
+    finally:
+        con.close()
+
+
+def session_error(path: str, session: str) -> str | None:
+    """Why ``tui --session`` cannot show ``session``: the database holds runs but not this
+    one (the message names those it holds); None when it is there, or when nothing is
+    stored yet (a live view may open before the job's first rank)."""
+    con = open_database(path)
+    try:
+        if not has_table(con, "ranks"):
+            return None
+        resolve_run(con, session)
+    except UnknownSession as exc:
+        return None if not exc.known else str(exc)
+    finally:
+        con.close()
+    return None
+
+
 class TuiData:
     """A read-only reader of one database, cheap to refresh repeatedly.
 
@@ -85,9 +123,13 @@ class TuiData:
         series_points: int = SERIES_POINTS,
         clock: Callable[[], float] | None = None,
         slow_every: int = 5,
+        session: str | None = None,
     ) -> None:
         self.path = path
         self.con = open_database(path)
+        # ``session``: pinned (``tui --session``); None follows the latest run without
+        # jumping to jobs that start later (``tui.follow``).
+        self.choice = RunChoice(session)
         self.window = window
         self.series_points = series_points
         self.clock = clock if clock is not None else time.time
@@ -137,11 +179,20 @@ class TuiData:
             self._load_ranks()
             self._tail()
 
+    @property
+    def run(self) -> RunRef | None:
+        """The run shown (None until one is stored); the analyzer reads the same one."""
+        return self._run
+
+    def select(self, session: str | None) -> None:
+        """Show ``session`` from the next read (None: follow the latest run); UI thread."""
+        self.choice.request(session)
+
     def _load_ranks(self) -> None:
-        run = current_run(self.con)
+        run = self.choice.choose(self.con)
         if run is None:
             return
-        if run != self._run:  # a restart: start over with the new attempt
+        if run != self._run:  # a restart, or another run picked: start over
             self._run = run
             self._ranks = {}
             self._series.clear()
@@ -246,7 +297,7 @@ class TuiData:
             ends = [x for x in (last, span.last_ts) if x is not None]
             last = max(ends) if ends else None
         finished = bool(states) and all(s.status is not None and s.status.finished for s in states)
-        live = not finished and self._last_seen is not None and now - self._last_seen < 30.0
+        live = not finished and self._last_seen is not None and now - self._last_seen < LIVE_SILENCE_S
         uptime = None if first is None else ((now if live else (last or first)) - first)
         latest = max((s.last_step for s in states if s.last_step is not None), default=None)
         if span is not None and span.last_step is not None:
@@ -346,6 +397,7 @@ class TuiData:
             series_label=label,
             verdicts=[],
             verdicts_available=False,
+            new_runs=self.choice.new_runs,
         )
         return with_analysis(ov, analysis)
 

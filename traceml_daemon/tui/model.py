@@ -103,6 +103,7 @@ class Overview:
     series_label: str  # what step_series covers, for the sparkline's label
     verdicts: list[Verdict]
     verdicts_available: bool  # False until an analysis ran with the engine present
+    new_runs: list[str] = field(default_factory=list)  # sessions started since the view opened, not shown
 
 
 @dataclass(frozen=True)

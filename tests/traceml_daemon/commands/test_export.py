@@ -176,7 +176,7 @@ def test_sessions_and_restarts_get_separate_lanes(tmp_path: Path) -> None:
     con.commit()
     con.close()
     out = tmp_path / "all.json"
-    assert run_export("--db", str(db), "--format", "chrome", str(out)) == 0
+    assert run_export("--db", str(db), "--format", "chrome", str(out), "--all-sessions") == 0
     names = lane_names(load_trace(out))
     assert len(names) == 6 and all("attempt" in n for n in names.values())
     out = tmp_path / "one.json"
@@ -184,6 +184,15 @@ def test_sessions_and_restarts_get_separate_lanes(tmp_path: Path) -> None:
     trace = load_trace(out)
     assert trace["metadata"]["sessions"] == ["job-2"]
     assert len(lane_names(trace)) == 2
+    # Without --session: the latest run, as every reader (job-2 was stored last).
+    out = tmp_path / "latest.json"
+    assert run_export("--db", str(db), "--format", "chrome", str(out)) == 0
+    assert load_trace(out)["metadata"]["sessions"] == ["job-2"]
+    # A session's restarts stay together, a lane set per attempt.
+    out = tmp_path / "restarts.json"
+    assert run_export("--db", str(db), "--format", "chrome", str(out), "--session", "job-1") == 0
+    names = lane_names(load_trace(out))
+    assert len(names) == 4 and {n.rsplit(" ", 1)[-1] for n in names.values()} == {"0]", "1]"}
 
 
 def test_csv_rows(db: Path, tmp_path: Path) -> None:

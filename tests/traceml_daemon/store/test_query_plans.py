@@ -24,7 +24,7 @@ from traceml_daemon.commands import cli
 from traceml_daemon.metrics.collect import read_db_state
 from traceml_daemon.store.schema import GROUPED_INDEXES, RANK_GROUP, SCHEMA_VERSION, rank_is, ranks_in
 from traceml_daemon.tui.analyzer import Analyzer
-from traceml_daemon.tui.data import TuiData
+from traceml_daemon.tui.data import TuiData, read_runs
 
 # A plan line that reads a grouped table whole: the table, or all of an index. A per-rank
 # read says SEARCH.
@@ -98,9 +98,17 @@ def test_every_reader_searches_the_grouped_indexes(tmp_path: Path, recorded: lis
     assert cli.main(["export", "--db", a, "--format", "csv", str(tmp_path / "t.csv")]) == 0
     assert cli.main(["export", "--db", a, "--format", "chrome", "--steps", "10:20", str(tmp_path / "u.json")]) == 0
     assert cli.main(["compare", a, b, "--json"]) == 0
+    # Runs as first-class: the listing (ranks, step bounds, each run's newest steps
+    # diagnosed) and every reader asked for a session by name.
+    assert cli.main(["runs", "--db", a, "--json"]) == 0
+    assert cli.main(["summary", "--db", a, "--json", "--no-files", "--session", "run-a"]) == 0
+    assert cli.main(["compare", f"{a}:run-a", f"{b}:run-b", "--json"]) == 0
+    assert cli.main(["export", "--db", a, "--format", "csv", "--session", "run-a", str(tmp_path / "s.csv")]) == 0
+    runs, latest = read_runs(a)  # the TUI's run picker
+    assert [r.session for r in runs] == ["run-a"] and latest is not None
     state = read_db_state(a, set(range(1, 19)))  # the /metrics endpoint's database read
     assert state.nodes
-    data = TuiData(a)
+    data = TuiData(a, session="run-a")
     try:
         data.overview()
         for node in (0, 1):
@@ -112,7 +120,7 @@ def test_every_reader_searches_the_grouped_indexes(tmp_path: Path, recorded: lis
         data.close()
     analyzer = Analyzer(a)
     try:
-        assert analyzer.run().nodes
+        assert analyzer.run(latest).nodes
     finally:
         analyzer.close()
     grouped = [sql for sql in recorded if re.search(rf"\b({'|'.join(GROUPED_INDEXES)})\b", sql)]

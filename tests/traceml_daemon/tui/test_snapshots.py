@@ -18,7 +18,7 @@ from tests.traceml_daemon.tui.conftest import make_app, press, settle
 from traceml_daemon.analysis.model import RunData, Verdict
 
 
-def _fixed_diagnose(run: RunData) -> list[Verdict]:
+def _fixed_diagnose(run: RunData, policy: object = None) -> list[Verdict]:
     return [
         Verdict(
             "STRAGGLER_RANK",

@@ -1,4 +1,5 @@
-"""One whole run, every step and every logged scalar, for ``compare``.
+"""One whole run, every step and every logged scalar, for ``compare``: a session named by the
+caller, else the latest run (``runs.resolve_run``, as every reader chooses).
 
 Compare needs exact values at every step (the first divergent one), so it reads
 each rank's steps in full instead of the windows and samples the other readers
@@ -15,6 +16,7 @@ from urllib.parse import quote
 from traceml_daemon.analysis.model import PHASES, RankData, RunData
 from traceml_daemon.analysis.scalars import first_nonfinite, scalar_key
 from traceml_daemon.store.gc_pause import gc_paused
+from traceml_daemon.store.read.runs import RunRef, UnknownSession, resolve_run
 from traceml_daemon.store.schema import RANK_GROUP
 
 Scalars = dict[str, list[tuple[int, float]]]
@@ -51,26 +53,32 @@ def _connect(path: str) -> sqlite3.Connection:
     return con
 
 
-def load_run(path: str) -> tuple[RunData, Scalars]:
-    """The latest session/attempt of the database at ``path`` as RunData, plus its scalars."""
+def load_run(path: str, session: str | None = None) -> tuple[RunData, Scalars]:
+    """``session`` (default: the latest run) of the database at ``path`` as RunData, plus its scalars."""
+    _run, data, scalars = load_session(path, session)
+    return data, scalars
+
+
+def load_session(path: str, session: str | None = None) -> tuple[RunRef, RunData, Scalars]:
+    """``load_run`` and which run it read: ``session`` at its highest attempt, else the latest."""
     con = _connect(path)
     try:
         with gc_paused():  # every step row of a run, acyclic (see gc_pause)
-            return _load(con, path)
+            return _load(con, path, session)
     except sqlite3.DatabaseError as exc:
         raise UnreadableRun(f"{path}: cannot read ({exc})") from None
     finally:
         con.close()
 
 
-def _load(con: sqlite3.Connection, path: str) -> tuple[RunData, Scalars]:
-    latest = con.execute(
-        "SELECT session FROM ranks ORDER BY COALESCE(first_seen, 0) DESC, rank_id DESC LIMIT 1"
-    ).fetchone()
-    if latest is None:
+def _load(con: sqlite3.Connection, path: str, wanted: str | None) -> tuple[RunRef, RunData, Scalars]:
+    try:
+        run = resolve_run(con, wanted)
+    except UnknownSession as exc:
+        raise UnreadableRun(f"{path}: {exc}") from None
+    if run is None:
         raise UnreadableRun(f"{path}: no ranks recorded")
-    session = latest[0]
-    (attempt,) = con.execute("SELECT MAX(attempt) FROM ranks WHERE session = ?", (session,)).fetchone()
+    session, attempt = run.session, run.attempt
     ranks: dict[int, RankData] = {}
     parallelism = "single"
     for rank_id, global_rank, local_rank, node_rank, hostname, par in con.execute(
@@ -109,7 +117,8 @@ def _load(con: sqlite3.Connection, path: str) -> tuple[RunData, Scalars]:
         (session, attempt),
     ):
         scalars.setdefault(scalar_key(name, global_rank), []).append((step, float(value)))
-    return RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars)), scalars
+    data = RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars))
+    return run, data, scalars
 
 
 def _parallelism(con: sqlite3.Connection, session: str, attempt: int, hello: str) -> str:

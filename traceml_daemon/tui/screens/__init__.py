@@ -5,6 +5,7 @@
 * ``detail``: one node, one rank;
 * ``findings``: verdicts and delivery counters;
 * ``prompts``: help and the jump prompt;
+* ``runs``: the run picker;
 * ``tables``: DataTable filling and paging the screens share.
 """
 
@@ -13,9 +14,10 @@ from traceml_daemon.tui.screens.detail import NodeScreen, RankScreen
 from traceml_daemon.tui.screens.findings import VerdictsScreen, delivery_text, verdict_text
 from traceml_daemon.tui.screens.overview import OverviewScreen
 from traceml_daemon.tui.screens.prompts import HelpScreen, JumpScreen
+from traceml_daemon.tui.screens.runs import Pick, RunsScreen
 from traceml_daemon.tui.screens.tables import PagedTable, fill_table
 
 __all__ = [
-    "HelpScreen", "JumpScreen", "NodeScreen", "OverviewScreen", "PagedTable", "RankScreen", "Snapshot",
-    "VerdictsScreen", "delivery_text", "fill_table", "verdict_text",
+    "HelpScreen", "JumpScreen", "NodeScreen", "OverviewScreen", "PagedTable", "Pick", "RankScreen", "RunsScreen",
+    "Snapshot", "VerdictsScreen", "delivery_text", "fill_table", "verdict_text",
 ]

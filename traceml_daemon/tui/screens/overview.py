@@ -85,6 +85,12 @@ class OverviewScreen(Screen[None]):
             f"  spooled {d.spooled}  frames {fmt_num(d.frames_received)}  rows {fmt_num(d.rows_stored)}"
             f"  dup {fmt_num(d.duplicates_discarded)}"
         )
+        if ov.new_runs:
+            # The view stays on its run: say that others started instead of switching to them.
+            shown = ov.new_runs[-3:]
+            more = f" (+{len(ov.new_runs) - len(shown)} more)" if len(ov.new_runs) > len(shown) else ""
+            head.append("\nnew run: " if len(ov.new_runs) == 1 else "\nnew runs: ", style="bold yellow")
+            head.append(clean(", ".join(shown)) + more + "  (r: pick a run)")
         self.query_one("#header", Static).update(head)
         banner = self.query_one("#banner", Static)
         if not ov.verdicts_available:

@@ -17,6 +17,7 @@ TraceML — keys
   p              cycle the rank grid's metric (step, phases)
   v              findings and delivery
   /              jump: r12 or 12 (rank), n3 (node)
+  r              runs: pick the run shown (runs started later are announced)
   ?              this help
   q              quit
 
