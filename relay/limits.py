@@ -18,7 +18,6 @@ RELAY_LIMITS = ConnectionLimits(
     # An agent's hello takes one loopback round trip; the slots are for those in flight.
     max_unauthenticated=64,
     max_unauthenticated_per_address=32,
-    evict_after=1.0,
     hello_timeout=10.0,
     # Agents are on this host or its network and send a whole batch at once.
     read_timeout=10.0,

@@ -217,7 +217,7 @@ class NodeRelay:
         set_keepalive(writer.get_extra_info("socket"), self.limits.keepalive)
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
-        admission = self.gate.admit(writer, host, asyncio.get_running_loop().time())
+        admission = self.gate.admit(writer, host)
         for victim in admission.evict:
             # Aborted, not cancelled: its handler ends through its own EOF path.
             self.stats.refused_agents += 1
@@ -242,7 +242,7 @@ class NodeRelay:
             self._token, roles=frozenset({wm.ROLE_AGENT}), max_frame_bytes=self.max_frame_bytes
         )
         wire = Wire(reader, writer, conn)
-        frames = ServerReader(reader, conn, self.inbound, self.limits)
+        frames = ServerReader(reader, conn, self.inbound, self.limits, stream_buffer=2 * READ_BUFFER)
         self._wires.add(wire)
         sender: str | None = None
         try:

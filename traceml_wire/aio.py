@@ -13,8 +13,12 @@ server holds a bounded amount however many peers are sending.
 ``ServerReader``: one peer's frames, header first, under a ``ServerConnection``
 and the server's ``ConnectionLimits``: the first frame (the hello) outside the
 budget and under the pre-hello cap; every later one within the idle timeout of
-the previous, its bytes reserved before its body is read and its body complete
-within the read timeout, or the peer is cut and the reservation released.
+the previous, its bytes reserved before the bulk of its body is read and its
+body complete within the read timeout, or the peer is cut and the reservation
+released. The first part of a body, as much as the connection's stream buffer
+holds anyway, is read before the reservation: a peer that declares a large
+frame and stalls before delivering that much holds no budget at all, so it
+cannot make the others wait for its read timeout.
 """
 
 from __future__ import annotations
@@ -115,12 +119,20 @@ class ServerReader:
     not the pre-hello one."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, conn: ServerConnection, budget: ByteBudget, limits: ConnectionLimits
+        self,
+        reader: asyncio.StreamReader,
+        conn: ServerConnection,
+        budget: ByteBudget,
+        limits: ConnectionLimits,
+        stream_buffer: int,
     ) -> None:
+        """``stream_buffer``: what ``reader`` buffers before it stops reading the socket
+        (twice its limit); that much of a body is read before the budget is asked."""
         self.reader = reader
         self.conn = conn
         self.budget = budget
         self.limits = limits
+        self.stream_buffer = stream_buffer
 
     async def first_frame(self) -> list[Event] | None:
         """The peer's first frame (its hello): under the pre-hello cap and outside the
@@ -146,17 +158,34 @@ class ServerReader:
             return
         declared = self.conn.next_frame_length
         assert declared is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # The clock runs while the peer owes bytes, not while this server waits for budget.
+        prefix = await self._within(self.limits.read_timeout, declared, min(declared, self.stream_buffer))
+        if prefix is None:
+            yield None
+            return
         async with self.budget.hold(HEADER_BYTES + declared):
-            try:
-                # The clock starts once the bytes are reserved: waiting for the budget is
-                # this server's doing, not the peer's.
-                async with asyncio.timeout(self.limits.read_timeout):
-                    events = await self._body()
-            except TimeoutError:
-                raise ReadTimeout(
-                    f"frame of {declared} bytes not complete within the read timeout ({self.limits.read_timeout:g} s)"
-                ) from None
-            yield events
+            rest = b""
+            if declared > len(prefix):
+                left = self.limits.read_timeout - (loop.time() - started)
+                rest = await self._within(left, declared, declared - len(prefix))
+                if rest is None:
+                    yield None
+                    return
+            yield self.conn.receive_data(b"".join((prefix, rest)) if rest else prefix)
+
+    async def _within(self, timeout: float, declared: int, n: int) -> bytes | None:
+        """``n`` bytes of the current frame's body within ``timeout``; None at EOF."""
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await self.reader.readexactly(n)
+        except asyncio.IncompleteReadError:
+            return None
+        except TimeoutError:
+            raise ReadTimeout(
+                f"frame of {declared} bytes not complete within the read timeout ({self.limits.read_timeout:g} s)"
+            ) from None
 
     async def _header(self) -> list[Event] | None:
         try:

@@ -9,17 +9,19 @@ the closing left to the shell.
 A peer is *unauthenticated* from its TCP accept (its TLS handshake included)
 until its hello is accepted, then *authenticated*. The two have separate caps,
 so sockets that never say a hello cannot take the slots of peers that hold the
-token; and a newcomer that finds an unauthenticated cap full takes the slot of
-the oldest unauthenticated peer in that scope once that one has had
-``evict_after`` seconds: a silent socket keeps nobody out for longer, while a
-burst of real peers that all just connected is not cut down by itself.
+token; and a newcomer that finds an unauthenticated cap full (in total, or for
+its source address) takes the slot of the oldest unauthenticated peer in that
+scope. A real peer says its hello within a round trip, so only a flood that
+fills every slot faster than that could cut one off; silent and trickling
+sockets, however many and however often renewed, keep nobody out. Refusing the
+newcomer instead would let a steady stream of fresh idle sockets lock a relay
+out for good.
 """
 
 from __future__ import annotations
 
 import socket
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -33,7 +35,6 @@ class ConnectionLimits:
     max_connections: int  # authenticated peers at once; one more is refused
     max_unauthenticated: int  # peers in their TLS handshake or before their hello is accepted
     max_unauthenticated_per_address: int  # of those, from one source address
-    evict_after: float  # an unauthenticated peer this old yields its slot to a newcomer
     hello_timeout: float  # for the TLS handshake, then again for the hello
     read_timeout: float  # for a frame's body, from the moment its bytes are reserved
     idle_timeout: float  # between frames of an authenticated peer
@@ -50,8 +51,6 @@ class ConnectionLimits:
         for name in ("hello_timeout", "read_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0")
-        if self.evict_after < 0:
-            raise ValueError("evict_after must not be negative")
 
     @property
     def keepalive(self) -> tuple[int, int, int]:
@@ -91,8 +90,9 @@ def set_keepalive(sock: object, keepalive: tuple[int, int, int]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Admission(Generic[H]):
-    """``admitted``: the newcomer may converse; else ``reason`` says why not.
-    ``evict``: peers that lost their slot to it; the shell closes them."""
+    """``admitted``: the newcomer may converse; else ``reason`` says why not (the
+    authenticated slots are all taken). ``evict``: unauthenticated peers that lost
+    their slot to it; the shell closes them."""
 
     admitted: bool
     reason: str = ""
@@ -107,7 +107,7 @@ class ConnectionGate(Generic[H]):
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
-        self._pending: OrderedDict[H, tuple[str, float]] = OrderedDict()  # oldest first
+        self._pending: OrderedDict[H, str] = OrderedDict()  # unauthenticated peer -> its address, oldest first
         self._per_address: dict[str, int] = {}
         self._authenticated: set[H] = set()
         self.evicted = 0
@@ -124,8 +124,8 @@ class ConnectionGate(Generic[H]):
     def __len__(self) -> int:
         return len(self._pending) + len(self._authenticated)
 
-    def admit(self, handle: H, address: str, now: float) -> Admission[H]:
-        """A new connection from ``address`` at time ``now``."""
+    def admit(self, handle: H, address: str) -> Admission[H]:
+        """A new connection from ``address``."""
         limits = self.limits
         if len(self._authenticated) >= limits.max_connections:
             # No slot would be free for it after its hello: refused before it costs one.
@@ -133,20 +133,12 @@ class ConnectionGate(Generic[H]):
             return Admission(False, "too many connections")
         evict: list[H] = []
         if self._per_address.get(address, 0) >= limits.max_unauthenticated_per_address:
-            oldest = self._oldest(now, address, ())
-            if oldest is None:
-                self.refused += 1
-                return Admission(False, "too many unauthenticated connections from this address")
-            evict.append(oldest)
-        if len(self._pending) - len(evict) >= limits.max_unauthenticated:
-            oldest = self._oldest(now, None, evict)
-            if oldest is None:
-                self.refused += 1
-                return Admission(False, "too many unauthenticated connections")
-            evict.append(oldest)
-        for victim in evict:
-            self._forget(victim)
-        self._pending[handle] = (address, now)
+            evict.append(self._oldest(address))
+            self._forget(evict[-1])
+        if len(self._pending) >= limits.max_unauthenticated:
+            evict.append(self._oldest(None))
+            self._forget(evict[-1])
+        self._pending[handle] = address
         self._per_address[address] = self._per_address.get(address, 0) + 1
         self.evicted += len(evict)
         return Admission(True, "", tuple(evict))
@@ -170,18 +162,15 @@ class ConnectionGate(Generic[H]):
             self._forget(handle)
         self._authenticated.discard(handle)
 
-    def _oldest(self, now: float, address: str | None, skip: Sequence[H]) -> H | None:
-        """The oldest unauthenticated peer (from ``address`` when given, not in ``skip``)
-        that has had ``evict_after`` seconds, or None."""
-        for handle, (where, since) in self._pending.items():
-            if now - since < self.limits.evict_after:
-                return None  # the rest are younger still
-            if (address is None or where == address) and handle not in skip:
+    def _oldest(self, address: str | None) -> H:
+        """The unauthenticated peer that has waited longest (from ``address`` when given)."""
+        for handle, where in self._pending.items():
+            if address is None or where == address:
                 return handle
-        return None
+        raise LookupError(address)  # only asked for a scope that is full
 
     def _forget(self, handle: H) -> None:
-        address, _ = self._pending.pop(handle)
+        address = self._pending.pop(handle)
         count = self._per_address[address] - 1
         if count:
             self._per_address[address] = count

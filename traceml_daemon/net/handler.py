@@ -35,6 +35,7 @@ from traceml_wire import messages
 from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
 from traceml_wire.limits import ConnectionGate, ConnectionLimits, set_keepalive
 from traceml_wire.printable import printable
+from traceml_wire.ratelimit import LineLimiter
 
 log = logging.getLogger("traceml_daemon.net.server")
 
@@ -43,12 +44,34 @@ log = logging.getLogger("traceml_daemon.net.server")
 # read beyond it is under the limits' inbound byte budget.
 READ_BUFFER = 64 * 1024
 
-Task = asyncio.Task[None]
+class Slot:
+    """One connection's place in the gate, and how to close it should a newer peer
+    take the place: its transport's abort, or during a TLS handshake its task's
+    cancel. Dropped at the end, so no finished task stays reachable from here."""
+
+    __slots__ = ("peer", "evicted", "_close")
+
+    def __init__(self, peer: str, close: Callable[[], object]) -> None:
+        self.peer = peer
+        self.evicted = False
+        self._close: Callable[[], object] | None = close
+
+    def closes_with(self, close: Callable[[], object]) -> None:
+        self._close = close
+
+    def evict(self) -> None:
+        close, self._close = self._close, None
+        self.evicted = True
+        if close is not None:
+            close()
+
+    def done(self) -> None:
+        self._close = None
 
 
 class PeerHandler:
     """The conversations of every peer of one daemon: ``plain`` and ``tls`` each run
-    one connection to its end, in a task of its own (the task is its gate slot)."""
+    one connection to its end, in a task of its own."""
 
     def __init__(
         self,
@@ -68,31 +91,32 @@ class PeerHandler:
         self.queue = queue
         self._last_seq = last_seq
         self.ssl_context = ssl_context
-        self.gate: ConnectionGate[Task] = ConnectionGate(limits)
+        self.gate: ConnectionGate[Slot] = ConnectionGate(limits)
         self.inbound = ByteBudget(limits.inbound_bytes)
-        self._names: dict[Task, str] = {}  # host:port of each admitted peer, for the log
+        # Evictions come as fast as someone opens sockets: their lines are held to a rate.
+        self._lines = LineLimiter()
 
     # ------------------------------------------------------------ admission
 
-    def _admit(self, task: Task, host: str, peer: str) -> str | None:
+    def _admit(self, slot: Slot, host: str) -> str | None:
         """Take a slot for a new connection; None when it may converse, else why not.
         Unauthenticated peers that lose their slot to it are closed here."""
-        admission = self.gate.admit(task, host, asyncio.get_running_loop().time())
+        admission = self.gate.admit(slot, host)
         for victim in admission.evict:
             self.counters.refused_peers += 1
-            log.warning("refused %s: no hello yet and its slot went to a newer peer",
-                        self._names.pop(victim, "a peer"))
-            victim.cancel()
+            line = self._lines.line("evicted", f"refused {victim.peer}: no hello yet and its slot went to a newer peer")
+            if line is not None:
+                log.warning("%s", line)
+            victim.evict()
         if not admission.admitted:
             self.counters.refused_peers += 1
-            log.warning("refused %s: %s", peer, admission.reason)
+            log.warning("refused %s: %s", slot.peer, admission.reason)
             return admission.reason
-        self._names[task] = peer
         return None
 
-    def _release(self, task: Task) -> None:
-        self.gate.release(task)
-        self._names.pop(task, None)
+    def _release(self, slot: Slot) -> None:
+        self.gate.release(slot)
+        slot.done()
 
     # ------------------------------------------------------------ connections
 
@@ -100,25 +124,27 @@ class PeerHandler:
         """A plaintext connection, from its accept to its close."""
         host, peer = address_of(writer.get_extra_info("peername"))
         set_keepalive(writer.get_extra_info("socket"), self.limits.keepalive)
-        task = asyncio.current_task()
-        assert task is not None
-        reason = self._admit(task, host, peer)
+        # Evicted by aborting its transport: its reads end as at any EOF, no cancellation.
+        slot = Slot(peer, writer.transport.abort)
+        reason = self._admit(slot, host)
         if reason is not None:
             with contextlib.suppress(Exception):
                 writer.write(conv.ServerConnection(None).send_refuse(reason))
                 await writer.drain()
             writer.close()
             return
-        await self._run(task, peer, reader, writer)
+        await self._run(slot, reader, writer)
 
     async def tls(self, conn: socket.socket, addr: Any) -> None:
         """A TLS connection: the handshake (its slot is an unauthenticated one, taken
         before it: its CPU is the very cost a full daemon must not pay), then the same
         conversation as a plaintext peer."""
         host, peer = address_of(addr)
-        task = asyncio.current_task()
-        assert task is not None
-        if self._admit(task, host, peer) is not None:
+        current = asyncio.current_task()
+        assert current is not None
+        slot = Slot(peer, current.cancel)  # no transport yet to abort
+        del current
+        if self._admit(slot, host) is not None:
             conn.close()
             return
         set_keepalive(conn, self.limits.keepalive)
@@ -132,20 +158,20 @@ class PeerHandler:
             )
         except OSError as exc:  # ssl.SSLError; ConnectionAbortedError when the timeout hits
             # The transport owns (and has closed) the socket by now: do not close it again.
-            self._release(task)
+            self._release(slot)
             self.counters.refused_peers += 1
             log.warning("refused %s: TLS handshake failed: %s", peer, exc)
             return
         except BaseException:
-            self._release(task)
+            self._release(slot)
             raise
-        await self._run(task, peer, reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+        slot.closes_with(transport.abort)
+        await self._run(slot, reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
-    async def _run(
-        self, task: Task, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _run(self, slot: Slot, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = slot.peer
         try:
-            await self._converse(task, peer, reader, writer)
+            await self._converse(slot, reader, writer)
         except asyncio.CancelledError:
             raise
         except (ConnectionError, ssl.SSLError) as exc:
@@ -154,23 +180,22 @@ class PeerHandler:
             # One peer's failure must never take the daemon (the TaskGroup) down.
             log.exception("connection %s failed", peer)
         finally:
-            self._release(task)
+            self._release(slot)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _converse(
-        self, task: Task, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _converse(self, slot: Slot, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = slot.peer
         conn = new_connection(self._token, self._max_frame_bytes)
-        frames = ServerReader(reader, conn, self.inbound, self.limits)
+        frames = ServerReader(reader, conn, self.inbound, self.limits, stream_buffer=2 * READ_BUFFER)
         acks = AckWriter(writer, conn)
         writer.write(conn.send_challenge())
         try:
             # The hello must arrive in time: a silent or trickling peer (slowloris)
             # would otherwise hold a connection slot forever.
             async with asyncio.timeout(self.limits.hello_timeout):
-                hello = await self._await_hello(task, peer, conn, frames, writer)
+                hello = await self._await_hello(slot, conn, frames, writer)
         except TimeoutError:
             self.counters.refused_peers += 1
             log.warning("refused %s: no hello within %.0f s", peer, self.limits.hello_timeout)
@@ -183,14 +208,16 @@ class PeerHandler:
             pass
 
     async def _await_hello(
-        self, task: Task, peer: str, conn: conv.ServerConnection, frames: ServerReader, writer: asyncio.StreamWriter
+        self, slot: Slot, conn: conv.ServerConnection, frames: ServerReader, writer: asyncio.StreamWriter
     ) -> conv.Hello | None:
         """Read the first frame under the pre-hello cap; accept it if it is a good hello
         and an authenticated slot is free. None once the peer is refused or gone."""
+        peer = slot.peer
         events = await frames.first_frame()
         self.counters.frames_received += conn.frames_received
         if not events:
-            log.info("disconnect %s (before hello)", peer)
+            if not slot.evicted:  # an eviction was said already
+                log.info("disconnect %s (before hello)", peer)
             return None
         (event,) = events  # the conversation reads nothing past a hello, good or bad
         if isinstance(event, conv.BadHello):
@@ -202,7 +229,7 @@ class PeerHandler:
             await self._refuse(conn, writer, event.reason)
             return None
         assert isinstance(event, conv.Hello)
-        full = self.gate.authenticate(task)
+        full = self.gate.authenticate(slot)
         if full is not None:
             self.counters.refused_peers += 1
             log.warning("refused %s (%s): %s", peer, printable(event.sender), full)

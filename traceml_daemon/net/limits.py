@@ -18,11 +18,9 @@ DAEMON_LIMITS = ConnectionLimits(
     # someone keeps sockets open without a hello, which is what the caps are for.
     max_unauthenticated=128,
     max_unauthenticated_per_address=16,
-    # Long enough for a TLS handshake and a hello over a slow link under load.
-    evict_after=1.0,
     hello_timeout=10.0,
     # A frame at the full cap arrives in this time over any live link.
-    read_timeout=60.0,
+    read_timeout=30.0,
     # Relays send many times a minute while their agents run; a relay gone quiet just reconnects.
     idle_timeout=300.0,
     inbound_bytes=32 * 1024 * 1024,

@@ -107,5 +107,19 @@ class RawPeer:
                 return True
         return False
 
+    def still_open(self) -> bool:
+        """True while the server has not closed this connection (never blocks)."""
+        timeout = self.sock.gettimeout()
+        self.sock.setblocking(False)  # with a timeout set, recv would first wait for data
+        try:
+            data = self.sock.recv(65536, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            self.sock.settimeout(timeout)
+        return bool(data)
+
     def close(self) -> None:
         self.sock.close()

@@ -98,6 +98,35 @@ def test_idle_unauthenticated_sockets_at_every_cap_never_keep_a_relay_with_the_t
 # ---------------------------------------------------------------- timeouts
 
 
+def test_peers_stalled_after_a_frame_header_hold_no_budget_and_are_cut_after_the_read_timeout(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "run.db"
+    declared = DEFAULT_MAX_FRAME_BYTES - HEADER_BYTES
+    with DaemonProcess(db, args=["--read-timeout", "15"]) as daemon:
+        stallers = [RawPeer(daemon.port) for _ in range(2)]
+        try:
+            for i, peer in enumerate(stallers):
+                reply = peer.hello(f"relay/s1/n{i + 1}/9-r", role=messages.ROLE_RELAY)
+                assert reply is not None and reply["t"] == messages.ACCEPT
+                # Two headers that together declare the whole inbound budget, a little of each body.
+                peer.stall_inside_a_frame(declared, 1024)
+            with WireClient(daemon.port, timeout=60) as good:
+                assert good.handshake(RELAY)["t"] == messages.ACCEPT
+                good.rbatch(1, [[agent_sender("s1", 0), 1, steps_body(0, 10)]], peers_for(0))
+                assert good.recv() == {"t": "ack", "seq": 1}
+            # Served while both stalled frames were still open: they held nothing it needed.
+            assert all(peer.still_open() for peer in stallers)
+            for peer in stallers:
+                assert peer.closed_by_server()
+        finally:
+            for peer in stallers:
+                peer.close()
+        assert daemon.stop() == 0
+    assert daemon.log().count("not complete within the read timeout") == 2
+    assert count_steps(db) == 10
+
+
 def test_peers_stalled_inside_a_frame_are_cut_and_their_budget_serves_the_next_relay(tmp_path: Path) -> None:
     db = tmp_path / "run.db"
     # The memory report says how many bytes are reserved: the test waits for the stalled
@@ -110,7 +139,8 @@ def test_peers_stalled_inside_a_frame_are_cut_and_their_budget_serves_the_next_r
             for i, peer in enumerate(stallers):
                 reply = peer.hello(f"relay/s1/n{i + 1}/9-r", role=messages.ROLE_RELAY)
                 assert reply is not None and reply["t"] == messages.ACCEPT
-                threading.Thread(target=peer.stall_inside_a_frame, args=(declared, 1024), daemon=True).start()
+                # Past the part of a body read before the budget is asked: these frames hold it.
+                threading.Thread(target=peer.stall_inside_a_frame, args=(declared, 1 << 20), daemon=True).start()
             budget = 2 * (declared + HEADER_BYTES)
             wait_for(lambda: f"inbound_bytes {budget}" in daemon.log(), 60, interval=0.05,
                      what="both stalled frames holding the inbound budget")
