@@ -4,7 +4,9 @@ Sans-I/O: nothing here touches a socket, a thread or an event loop, and the
 only third-party import is msgpack. Each peer wraps these pieces in its own
 thin I/O shell (a thread in the agent, asyncio streams in relay and daemon)
 around the conversation's state machines, ``ClientConnection`` and
-``ServerConnection`` (traceml_wire.conversation).
+``ServerConnection`` (traceml_wire.conversation). The one exception is
+``traceml_wire.aio``, the asyncio read discipline the relay and the daemon
+share; nothing here imports it.
 """
 
 from traceml_wire.conversation import ClientConnection, LocalProtocolError, ServerConnection, State
