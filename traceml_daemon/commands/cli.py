@@ -18,7 +18,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.net.limits import DAEMON_LIMITS
+from traceml_daemon.store.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_DAYS
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
 from traceml_wire.limits import ConnectionLimits
 
@@ -59,6 +61,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more (0: off)")
+    return value
+
+
+def add_policy_argument(p: argparse.ArgumentParser) -> None:
+    """``--policy FILE``: serve, summary and tui read thresholds from it (docs/diagnosis.md)."""
+    p.add_argument("--policy", metavar="FILE",
+                   help="TOML file overriding diagnosis thresholds by section and key, e.g. [stragglers] "
+                        "min_excess_frac = 0.2 (docs/diagnosis.md lists them)")
+
+
+def load_policy_arg(path: str | None) -> Policy | None:
+    """The policy of ``--policy`` (None: the defaults); UsageError naming the file and key."""
+    if path is None:
+        return None
+    from traceml_daemon.analysis.policy_file import PolicyFileError, load_policy
+
+    try:
+        return load_policy(path)
+    except PolicyFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
@@ -93,8 +124,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus/OpenMetrics on GET /metrics at this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
-    p.add_argument("--retention-days", type=float, help="delete raw rows older than this many days (history stays)")
-    p.add_argument("--max-db-mb", type=float, help="delete the oldest raw rows while the db uses more than this")
+    p.add_argument("--retention-days", type=_non_negative_float,
+                   help="delete raw rows older than this many days; history stays "
+                        f"(default {DEFAULT_RETENTION_DAYS:g}; 0: none by age)")
+    p.add_argument("--max-db-mb", type=_non_negative_float,
+                   help=f"delete the oldest raw rows while the db uses more than this many MiB; history stays "
+                        f"(default {DEFAULT_MAX_DB_MB:g}; 0: no size cap)")
+    p.add_argument("--keep-everything", action="store_true",
+                   help="no retention at all: --retention-days 0 --max-db-mb 0")
+    add_policy_argument(p)
     p.add_argument("--shared-files", action="store_true",
                    help="make the database, logs and summaries readable by others (default: owner only, 0600)")
 
@@ -108,6 +146,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON on stdout")
     p.add_argument("--no-files", action="store_true", help="do not write final_summary.json/.txt next to the db")
     p.add_argument("--session", default=None, help="this session (default: the latest run; `runs` lists them)")
+    add_policy_argument(p)
     p = sub.add_parser("ingest", help="load relay spool files into a database")
     p.add_argument("files", nargs="+", help="spool files written by relays")
     p.add_argument("--db", default=DEFAULT_DB, help=f"database (default ./{DEFAULT_DB})")
@@ -158,6 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    retention_days, max_db_mb = serve_retention(args)
+    policy = load_policy_arg(args.policy)
     restrict_files(args.db, shared=args.shared_files)
     config = ServerConfig(
         db_path=args.db,
@@ -171,18 +212,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
-        retention_days=args.retention_days,
-        max_db_mb=args.max_db_mb,
+        retention_days=retention_days,
+        max_db_mb=max_db_mb,
+        policy=policy,
     )
+    logging.getLogger("traceml_daemon.commands.cli").info("retention: %s", retention_text(retention_days, max_db_mb))
     if args.tui:
-        return _serve_with_tui(args.db)
+        return _serve_with_tui(args.db, policy)
     try:
         code = _loop.run(run_server(config))
     except SchemaError as exc:
         raise UsageError(str(exc)) from None
     if code == 0:
-        _final_summary(args.db)
+        _final_summary(args.db, policy)
     return code
+
+
+def serve_retention(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """(days, MiB) of retention, None where off: serve is bounded unless told otherwise."""
+    days = DEFAULT_RETENTION_DAYS if args.retention_days is None else args.retention_days
+    mb = DEFAULT_MAX_DB_MB if args.max_db_mb is None else args.max_db_mb
+    if args.keep_everything:
+        if args.retention_days or args.max_db_mb:
+            raise UsageError("--keep-everything turns retention off: leave out --retention-days and --max-db-mb")
+        days = mb = 0.0
+    return days or None, mb or None
+
+
+def retention_text(days: float | None, mb: float | None) -> str:
+    """What serve keeps, for its log: an operator sees the bounds without reading the flags."""
+    if days is None and mb is None:
+        return "off (--keep-everything): every raw row is kept"
+    age = f"raw rows kept {days:g} days" if days else "no age limit"
+    size = f"database capped at {mb:g} MiB" if mb else "no size cap"
+    return f"{age}, {size}; history is kept"
 
 
 def _serve_limits(args: argparse.Namespace) -> ConnectionLimits:
@@ -199,14 +262,14 @@ def _serve_limits(args: argparse.Namespace) -> ConnectionLimits:
     )
 
 
-def _final_summary(db_path: str) -> None:
+def _final_summary(db_path: str, policy: Policy | None = None) -> None:
     """Leave final_summary.json/.txt beside the db after a clean stop; a failure
     here is logged, never turned into a failed daemon exit."""
     from traceml_daemon.commands.summary import build_summary, write_summary_files
 
     log = logging.getLogger("traceml_daemon.commands.cli")
     try:
-        summary = build_summary(db_path)
+        summary = build_summary(db_path, policy)
         if summary["ranks"]:
             paths = write_summary_files(db_path, summary)
             log.info("final summary written to %s", ", ".join(paths))
@@ -214,7 +277,7 @@ def _final_summary(db_path: str) -> None:
         log.exception("could not write the final summary")
 
 
-def _serve_with_tui(db_path: str) -> int:
+def _serve_with_tui(db_path: str, policy: Policy | None = None) -> int:
     """Serve in a child process and run the TUI here: the TUI owns the terminal
     and its event loop, and a slow redraw must never stall ingest."""
     import subprocess
@@ -229,7 +292,7 @@ def _serve_with_tui(db_path: str) -> int:
     print(f"daemon log: {log_path}", file=sys.stderr)
     try:
         tui = _lazy_module("tui")
-        return int(tui.run_tui(db_path) or 0)
+        return int(tui.run_tui(db_path, policy) or 0)
     finally:
         child.terminate()
         child.wait()
@@ -239,8 +302,9 @@ def cmd_summary(args: argparse.Namespace) -> int:
     from traceml_daemon.commands.summary import build_summary, render_text, write_summary_files
     from traceml_daemon.store.reader import StoreError, UnknownSession
 
+    policy = load_policy_arg(args.policy)
     try:
-        summary = build_summary(args.db, session=args.session)
+        summary = build_summary(args.db, policy, session=args.session)
     except StoreError as exc:
         raise UsageError(str(exc)) from None
     except UnknownSession as exc:

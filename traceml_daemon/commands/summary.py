@@ -14,6 +14,8 @@ from typing import Any
 from traceml_daemon.analysis.engine import diagnose
 from traceml_daemon.analysis.model import PHASES, RankData, RunData, Verdict
 from traceml_daemon.analysis.nodes import node_views, skews
+from traceml_daemon.analysis.policy import Policy
+from traceml_daemon.analysis.policy_file import policy_overrides
 from traceml_daemon.analysis.report import format_verdicts
 from traceml_daemon.store import reader
 from traceml_daemon.store.gc_pause import gc_paused
@@ -32,9 +34,9 @@ def _max(values: Sequence[int | None]) -> int | None:
     return max(present) if present else None
 
 
-def _verdicts(run: RunData) -> list[dict[str, Any]]:
+def _verdicts(run: RunData, policy: Policy | None = None) -> list[dict[str, Any]]:
     try:
-        return [v.to_json() for v in diagnose(run)]
+        return [v.to_json() for v in diagnose(run, policy)]
     except Exception:
         # A diagnosis bug must not cost the user their summary.
         log.exception("diagnosis failed; summary has no verdicts")
@@ -70,14 +72,14 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
     }
 
 
-def build_summary(db_path: str, *, session: str | None = None) -> dict[str, Any]:
-    """Summarise ``session`` (default: the latest run) at its highest attempt.
-    Raises reader.StoreError, reader.UnknownSession."""
+def build_summary(db_path: str, policy: Policy | None = None, *, session: str | None = None) -> dict[str, Any]:
+    """Summarise ``session`` (default: the latest run) at its highest attempt under ``policy``'s
+    thresholds (None: the defaults). Raises reader.StoreError, reader.UnknownSession."""
     with gc_paused():  # a bulk read of acyclic rows (see gc_pause)
-        return _build_summary(db_path, session)
+        return _build_summary(db_path, policy, session)
 
 
-def _build_summary(db_path: str, session: str | None = None) -> dict[str, Any]:
+def _build_summary(db_path: str, policy: Policy | None = None, session: str | None = None) -> dict[str, Any]:
     conn = reader.open_readonly(db_path)
     try:
         run_ref = reader.resolve_run(conn, session)  # raises reader.UnknownSession
@@ -94,6 +96,8 @@ def _build_summary(db_path: str, session: str | None = None) -> dict[str, Any]:
             "nodes": [],
             "verdicts": [],
             "delivery": reader.delivery_counters(conn),
+            # Thresholds a policy file changed (--policy): the verdicts were made with them.
+            "policy_overrides": policy_overrides(policy) if policy is not None else {},
         }
         if run_ref is None:
             return summary
@@ -116,7 +120,7 @@ def _build_summary(db_path: str, session: str | None = None) -> dict[str, Any]:
             ranks=ranks,
             nodes=node_views(run),
             skew=skews(run),
-            verdicts=_verdicts(run),
+            verdicts=_verdicts(run, policy),
             live=run.live,
         )
         return summary
@@ -172,6 +176,9 @@ def render_text(summary: dict[str, Any]) -> str:
         "",
         _ranks_title(summary["ranks"]),
     ]
+    if summary.get("policy_overrides"):
+        changed = [f"{s}.{k}={v}" for s, keys in summary["policy_overrides"].items() for k, v in keys.items()]
+        lines[3:3] = ["thresholds changed by --policy: " + ", ".join(changed), ""]
     headers = ["rank", "node", "local", "host", "steps", "step", *PHASES, "peak", "rss"]
     rows = [
         [

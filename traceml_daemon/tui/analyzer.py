@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from traceml_daemon.analysis.model import Verdict
 from traceml_daemon.analysis.nodes import node_views
+from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.store.read.connect import snapshot
 from traceml_daemon.store.read.runs import RunRef
 from traceml_daemon.store.reader import load_window_run
@@ -25,10 +26,13 @@ class Analyzer:
     """Findings and per-node worst ranks from each rank's newest ``window`` steps
     and each node's newest host and GPU samples (``store.reader.load_window_run``)."""
 
-    def __init__(self, path: str, *, window: int = WINDOW, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, path: str, *, window: int = WINDOW, clock: Callable[[], float] | None = None, policy: Policy | None = None
+    ) -> None:
         self.con = open_database(path)
         self.window = window
         self.clock = clock if clock is not None else time.time
+        self.policy = policy  # tui --policy: the thresholds the findings are judged by (None: the defaults)
 
     def close(self) -> None:
         self.con.close()
@@ -45,7 +49,7 @@ class Analyzer:
         except ImportError:
             return Analysis([], False, views, run.parallelism)
         try:
-            verdicts = list(diagnose(run))
+            verdicts = list(diagnose(run, self.policy))
         except Exception as exc:  # a diagnosis bug must not take the UI down
             verdicts = [Verdict("DIAGNOSIS_ERROR", "warn", {}, f"analysis failed: {exc.__class__.__name__}: {exc}")]
         verdicts.sort(key=lambda v: _SEVERITY_ORDER.get(v.severity, 3))

@@ -31,6 +31,7 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
+from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.store.read.runs import RunInfo, RunRef
 from traceml_daemon.tui.analyzer import Analyzer
 from traceml_daemon.tui.data import TuiData, read_runs, session_error
@@ -82,6 +83,7 @@ class TraceApp(App[None]):
         refresh_s: float = 1.0,
         poll_s: float = 0.1,
         analyze_every: int = 5,
+        policy: Policy | None = None,
         session: str | None = None,
     ) -> None:
         super().__init__()
@@ -92,7 +94,7 @@ class TraceApp(App[None]):
         # session: pinned (tui --session); None follows the latest run and announces new ones.
         self.data = TuiData(db_path, clock=self.clock, session=session)  # raises DatabaseMissing with the path
         self.announced: set[str] = set()  # new runs already notified, each once
-        self.analyzer = Analyzer(db_path, clock=self.clock)
+        self.analyzer = Analyzer(db_path, clock=self.clock, policy=policy)  # policy: tui --policy
         self.analyze_every = max(1, analyze_every)
         self.analysis: Analysis | None = None  # latest result of the analysis worker
         self.analysis_count = 0  # completed analyses (tests and bench wait on this)
@@ -359,15 +361,16 @@ def parse_jump(query: str, snap: Snapshot | None) -> tuple[str, int] | None:
     return None
 
 
-def run_tui(db_path: str, *, session: str | None = None) -> None:
-    """Open the TUI on ``db_path`` (live or finished run); blocks until quit.
+def run_tui(db_path: str, policy: Policy | None = None, session: str | None = None) -> None:
+    """Open the TUI on ``db_path`` (live or finished run) diagnosing under ``policy``; blocks until quit.
 
     ``session``: show that run; None follows the latest one."""
-    TraceApp(db_path, session=session).run()
+    TraceApp(db_path, policy=policy, session=session).run()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, help="SQLite database written by traceml-daemon serve")
+    parser.add_argument("--policy", metavar="FILE", help="TOML file overriding diagnosis thresholds (docs/diagnosis.md)")
     parser.add_argument("--session", default=None,
                         help="show this session (default: the latest run, without jumping to runs that start later)")
 
@@ -381,11 +384,19 @@ def _parse(args: Sequence[str] | argparse.Namespace | None) -> argparse.Namespac
 
 
 def main(args: Sequence[str] | argparse.Namespace | None = None) -> int:
-    """CLI entry: ``traceml-daemon tui [--db PATH] [--session ID]``; returns the exit status."""
+    """CLI entry: ``traceml-daemon tui [--db PATH] [--policy FILE] [--session ID]``; returns the exit status."""
+    from traceml_daemon.analysis.policy_file import PolicyFileError, load_policy
+
     ns = _parse(args)
     db = str(getattr(ns, "db", None) or DEFAULT_DB)
     if not os.path.exists(db):
         print(f"traceml-daemon tui: no database at {db!r}; pass --db PATH of a run", file=sys.stderr)
+        return 2
+    path = getattr(ns, "policy", None)
+    try:
+        policy = load_policy(path) if path else None
+    except PolicyFileError as exc:
+        print(f"traceml-daemon tui: {exc}", file=sys.stderr)
         return 2
     session = getattr(ns, "session", None)
     problem = session_error(db, session) if session is not None else None
@@ -393,7 +404,7 @@ def main(args: Sequence[str] | argparse.Namespace | None = None) -> int:
         print(f"traceml-daemon tui: {db}: {problem}", file=sys.stderr)
         return 2
     try:
-        run_tui(db, session=session)
+        run_tui(db, policy, session)
     except DatabaseMissing as exc:
         print(f"traceml-daemon tui: {exc}", file=sys.stderr)
         return 2
