@@ -8,9 +8,6 @@ its challenge, every good step is stored exactly once with its exact values, no
 good peer is refused or cut off (or kept 10 s without an ack: a liveness bound, not a
 timing figure) by what the attackers do, and peak RSS stays under the cap.
 (``bench/fuzz.py`` is the long version; ``--each`` runs every kind alone.)
-
-The two fuzz tests are marked xfail until the hostile-input fixes land (the
-current daemon dies on int64 overflow among others): remove the markers then.
 """
 
 from __future__ import annotations
@@ -37,14 +34,12 @@ def _run(tmp_path: Path, with_relay: bool, seed: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason="hostile-input fixes in progress")
 def test_daemon_alone_survives_the_protocol_fuzzer(tmp_path: Path) -> None:
     _run(tmp_path, with_relay=False, seed=20_251_127)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason="hostile-input fixes in progress")
 def test_daemon_behind_a_relay_survives_the_protocol_fuzzer(tmp_path: Path) -> None:
     _run(tmp_path, with_relay=True, seed=20_251_128)
 
