@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import signal
 import socket
@@ -19,7 +18,7 @@ from typing import Any
 from relay._loop import run
 from relay.limits import RELAY_LIMITS
 from relay.node import DEFAULT_PORT, NodeRelay, default_spool_dir, parse_hostport
-from traceml_wire.limits import ConnectionLimits
+from traceml_wire.limit_flags import add_limit_arguments, limits_from_args
 
 
 def _port(value: str) -> int:
@@ -33,22 +32,6 @@ def _hostport(value: str) -> tuple[str, int]:
         return parse_hostport(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return int(value)
-
-
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {value!r}")
-    return seconds
 
 
 def _nonneg(value: str) -> int:
@@ -92,22 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--flush-timeout", type=float, default=5.0, help="seconds to flush on shutdown")
     # The agent connection limits; their defaults are RELAY_LIMITS (relay/limits.py).
-    limits = RELAY_LIMITS
-    parser.add_argument("--max-connections", type=_positive, default=limits.max_connections,
-                        help=f"agents connected at once before refusing (default {limits.max_connections})")
-    parser.add_argument("--max-unauthenticated", type=_positive, default=limits.max_unauthenticated,
-                        help=f"connections before their hello is accepted (default {limits.max_unauthenticated})")
-    parser.add_argument("--max-unauthenticated-per-address", type=_positive,
-                        default=limits.max_unauthenticated_per_address,
-                        help=f"of those, from one address (default {limits.max_unauthenticated_per_address})")
-    parser.add_argument("--hello-timeout", type=_seconds, default=limits.hello_timeout,
-                        help=f"seconds an agent has to say its hello (default {limits.hello_timeout:g})")
-    parser.add_argument("--read-timeout", type=_seconds, default=limits.read_timeout,
-                        help=f"seconds a frame's body has to arrive once it is read (default {limits.read_timeout:g})")
-    parser.add_argument("--idle-timeout", type=_seconds, default=limits.idle_timeout,
-                        help=f"seconds an agent may stay silent before it is closed (default {limits.idle_timeout:g})")
-    parser.add_argument("--inbound-bytes", type=_positive, default=limits.inbound_bytes,
-                        help=f"bytes of agent frames being read at once (default {limits.inbound_bytes})")
+    add_limit_arguments(parser, RELAY_LIMITS)
     parser.set_defaults(env_port=env_port)
     return parser
 
@@ -145,22 +113,8 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[s
         "node": {"node_rank": node_rank, "hostname": socket.gethostname()},
         "spool_dir": args.spool_dir or default_spool_dir(session),
         "tls_ca": args.tls_ca,
-        "limits": _limits(args),
+        "limits": limits_from_args(RELAY_LIMITS, args),
     }
-
-
-def _limits(args: argparse.Namespace) -> ConnectionLimits:
-    """RELAY_LIMITS as the flags set them."""
-    return dataclasses.replace(
-        RELAY_LIMITS,
-        max_connections=args.max_connections,
-        max_unauthenticated=args.max_unauthenticated,
-        max_unauthenticated_per_address=args.max_unauthenticated_per_address,
-        hello_timeout=args.hello_timeout,
-        read_timeout=args.read_timeout,
-        idle_timeout=args.idle_timeout,
-        inbound_bytes=args.inbound_bytes,
-    )
 
 
 async def _serve(config: dict[str, Any], flush_timeout: float) -> None:

@@ -9,7 +9,6 @@ module provides ``add_arguments(parser)`` and ``main(args) -> int``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import logging
@@ -22,7 +21,7 @@ from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.net.limits import DAEMON_LIMITS
 from traceml_daemon.store.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_DAYS
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
-from traceml_wire.limits import ConnectionLimits
+from traceml_wire.limit_flags import add_limit_arguments, limits_from_args
 
 DEFAULT_DB = "traceml.db"
 DEFAULT_PORT = 29765
@@ -99,26 +98,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-frame-bytes", type=_positive_int, default=DEFAULT_MAX_FRAME_BYTES,
                    help="largest frame accepted")
     # The connection limits; their defaults are DAEMON_LIMITS (traceml_daemon/net/limits.py).
-    limits = DAEMON_LIMITS
-    p.add_argument("--max-connections", type=_positive_int, default=limits.max_connections,
-                   help=f"authenticated peers at once before refusing (default {limits.max_connections})")
-    p.add_argument("--max-unauthenticated", type=_positive_int, default=limits.max_unauthenticated,
-                   help="peers in their TLS handshake or before their hello is accepted (default "
-                        f"{limits.max_unauthenticated}); when full, the oldest gives its slot to a newcomer")
-    p.add_argument("--max-unauthenticated-per-address", type=_positive_int,
-                   default=limits.max_unauthenticated_per_address,
-                   help=f"of those, from one source address (default {limits.max_unauthenticated_per_address})")
-    p.add_argument("--hello-timeout", type=_positive_float, default=limits.hello_timeout,
-                   help=f"seconds a new peer has to authenticate (default {limits.hello_timeout:g})")
-    p.add_argument("--read-timeout", type=_positive_float, default=limits.read_timeout,
-                   help=f"seconds a frame's body has to arrive once it is read (default {limits.read_timeout:g})")
-    p.add_argument("--idle-timeout", type=_positive_float, default=limits.idle_timeout,
-                   help=f"seconds an authenticated peer may stay silent before it is closed (default "
-                        f"{limits.idle_timeout:g})")
+    add_limit_arguments(p, DAEMON_LIMITS)
     p.add_argument("--queue-bytes", type=_positive_int, default=64 * 1024 * 1024,
                    help="bytes queued for the writer (and in its transaction) before reads pause")
-    p.add_argument("--inbound-bytes", type=_positive_int, default=limits.inbound_bytes,
-                   help="bytes of frames being read, all connections together, before reads pause")
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
@@ -207,7 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token=token,
         max_frame_bytes=args.max_frame_bytes,
         queue_bytes=args.queue_bytes,
-        limits=_serve_limits(args),
+        limits=limits_from_args(DAEMON_LIMITS, args),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_host=args.metrics_host,
@@ -246,20 +228,6 @@ def retention_text(days: float | None, mb: float | None) -> str:
     age = f"raw rows kept {days:g} days" if days else "no age limit"
     size = f"database capped at {mb:g} MiB" if mb else "no size cap"
     return f"{age}, {size}; history is kept"
-
-
-def _serve_limits(args: argparse.Namespace) -> ConnectionLimits:
-    """DAEMON_LIMITS as the serve flags set them."""
-    return dataclasses.replace(
-        DAEMON_LIMITS,
-        max_connections=args.max_connections,
-        max_unauthenticated=args.max_unauthenticated,
-        max_unauthenticated_per_address=args.max_unauthenticated_per_address,
-        hello_timeout=args.hello_timeout,
-        read_timeout=args.read_timeout,
-        idle_timeout=args.idle_timeout,
-        inbound_bytes=args.inbound_bytes,
-    )
 
 
 def _final_summary(db_path: str, policy: Policy | None = None) -> None:
