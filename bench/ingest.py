@@ -396,8 +396,12 @@ def run_case(ranks: int, relays: int, mode: str, seconds: float, window: int | N
     # connection) and then blocks the daemon's event loop on a log write.
     log_file = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed after the daemon exits
     entry = ["-c", _DAEMON_WITH_POLICY, json.dumps(policy)] if policy else ["-m", "traceml_daemon"]
+    # Every simulated relay connects from 127.0.0.1 at once: the per-address cap on
+    # peers still in their hello is for real hosts, so it is lifted to the relay count.
+    slots = str(relays + 64)
     daemon = subprocess.Popen([sys.executable, *entry, "serve", "--port", str(port), "--db",
-                               str(tmp / "ingest.db"), "--max-connections", str(relays + 64)], env=env,
+                               str(tmp / "ingest.db"), "--max-connections", slots, "--max-unauthenticated", slots,
+                               "--max-unauthenticated-per-address", slots], env=env,
                               stdout=subprocess.DEVNULL, stderr=log_file)
     deadline = time.monotonic() + 60
     while True:

@@ -17,7 +17,8 @@ RELAY_LIMITS = ConnectionLimits(
     max_connections=512,
     # An agent's hello takes one loopback round trip; the slots are for those in flight.
     max_unauthenticated=64,
-    max_unauthenticated_per_address=32,
+    # A node's agents all connect from its loopback address: one address may use every slot.
+    max_unauthenticated_per_address=64,
     hello_timeout=10.0,
     # Agents are on this host or its network and send a whole batch at once.
     read_timeout=10.0,
