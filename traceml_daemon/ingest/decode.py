@@ -120,6 +120,7 @@ class Plan:
     senders_without_identity: int = 0
     identity_fields_refused: int = 0
     high_water: dict[str, RankState] = field(default_factory=dict)
+    epoch: int = 0  # the ingestor's rollback count when this plan was staged
     # sender -> (session, identity, node, now) of its latest item; the ranks row is built
     # once per sender and transaction (in ``Ingestor.staged``), not once per batch.
     rank_sources: dict[str, tuple[str | None, dict[str, Any], dict[str, Any], float]] = field(default_factory=dict)
@@ -181,6 +182,9 @@ class Ingestor:
         # Per sender, the loss counters as last put in the "drops" table: a row is stored
         # only when its counter changed (agents repeat unchanged counters as a refresh).
         self._drops_stored: dict[str, dict[str, int]] = {}
+        # Counts rollbacks: a plan staged before one deduplicated against marks that are
+        # gone, so it must not be written or acknowledged as staged (``Plan.epoch``).
+        self.epoch = 0
 
     def statistics(self) -> dict[str, int]:
         """How many senders each long-lived map holds (memory diagnosis)."""
@@ -438,6 +442,7 @@ class Ingestor:
         # Every staged plan after it deduplicated against it, so all pending marks go.
         plan.high_water.clear()
         self.pending.clear()
+        self.epoch += 1
         # Its drops rows never reached the table: forget what was staged, so the resent
         # batches store them (at worst one repeat per sender).
         self._drops_stored.clear()

@@ -263,9 +263,12 @@ class StoreWriter:
             settle = self.history.due_now(False) or self._chain.broken or staged.error is not None
             while writing and (settle or failed or len(writing) > 1 or writing[0].done()):
                 failed = not await writing.popleft() or failed
-            if failed:
-                # An earlier transaction failed and rolled every pending mark back:
-                # what was staged after it deduplicated against rows never stored.
+            if staged.plan.epoch != self.ingestor.epoch:
+                # A transaction failed after this one was staged and rolled every pending
+                # mark back: this one deduplicated against rows never stored. (One staged
+                # after the rollback is current: staging it again would deduplicate it
+                # against its own marks.)
+                self.ingestor.discard(staged.plan)
                 staged = self.stage(staged.work, staged.taken_bytes)
             ahead = last.finished if writing and last is not None else None
             last = await self._submit(staged)
@@ -308,7 +311,7 @@ class StoreWriter:
             return stage_live(self.ingestor, work, taken_bytes)
         except Exception as exc:
             log.error("staging %d batches failed (%s: %s): writing them apart", len(work), type(exc).__name__, exc)
-            return Staged(work, taken_bytes, Plan(), [], error=exc)
+            return Staged(work, taken_bytes, Plan(epoch=self.ingestor.epoch), [], error=exc)
 
     async def write(self, work: list[WorkItem]) -> bool:
         """Write ``work`` (possibly empty: counters only) in one transaction."""
@@ -380,6 +383,10 @@ class StoreWriter:
                 self._in_flight -= 1
                 for name, add in zip(PLAN_COUNTERS, plan_adds(plan), strict=True):
                     self._uncommitted[name] -= add
+        if failure is None and submitted.call is None and staged.work and plan.epoch != self.ingestor.epoch:
+            # Nothing to write because it deduplicated against marks a failed transaction
+            # ahead of it rolled back: those batches were never stored, so no ack.
+            failure = Skipped()
         if failure is not None:
             return await self._recover(submitted, failure)
         if submitted.call is None:  # nothing to write: its plan holds no marks either

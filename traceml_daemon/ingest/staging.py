@@ -145,7 +145,7 @@ def stage(ingestor: Ingestor, work: list[WorkItem], taken_bytes: int = 0) -> Sta
 
 def stage_live(ingestor: Ingestor, work: list[WorkItem], taken_bytes: int = 0) -> Staged:
     """``stage`` for work whose dead connections were dropped already."""
-    plan = Plan()
+    plan = Plan(epoch=ingestor.epoch)
     try:
         return _stage_into(plan, ingestor, work, taken_bytes)
     except Exception:
