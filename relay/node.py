@@ -299,8 +299,8 @@ class NodeRelay:
     async def _refuse_now(wire: Wire, reason: str) -> None:
         try:
             await asyncio.wait_for(wire.send(wire.conn.send_refuse(reason)), 1.0)
-        except (TimeoutError, OSError, ConnectionError):
-            pass
+        except (TimeoutError, OSError, ConnectionError, RuntimeError):
+            pass  # the peer is gone (uvloop raises RuntimeError on a closed transport)
 
     async def _receive_batches(self, wire: Wire, frames: ServerReader, sender: str) -> None:
         while True:
