@@ -263,11 +263,10 @@ class StoreWriter:
             settle = self.history.due_now(False) or self._chain.broken or staged.error is not None
             while writing and (settle or failed or len(writing) > 1 or writing[0].done()):
                 failed = not await writing.popleft() or failed
-            if staged.plan.epoch != self.ingestor.epoch:
-                # A transaction failed after this one was staged and rolled every pending
-                # mark back: this one deduplicated against rows never stored. (One staged
-                # after the rollback is current: staging it again would deduplicate it
-                # against its own marks.)
+            if failed or staged.plan.epoch != self.ingestor.epoch:
+                # An earlier transaction failed (or was rolled back after this one was
+                # staged): what this one deduplicated against may be rows never stored.
+                # Its own marks go first, or the new staging would deduplicate against them.
                 self.ingestor.discard(staged.plan)
                 staged = self.stage(staged.work, staged.taken_bytes)
             ahead = last.finished if writing and last is not None else None
