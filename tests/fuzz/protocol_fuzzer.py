@@ -44,6 +44,7 @@ from typing import Any
 
 import msgpack
 
+from tests.support.procs import base_env, free_port
 from traceml_wire import auth, messages
 from traceml_wire.body import encode_body
 from traceml_wire.errors import ProtocolError
@@ -1362,23 +1363,6 @@ def _grep(path: Path, pattern: str, limit: int = 12, max_line: int = 300) -> lis
     return found
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACEML_", "TORCHELASTIC_", "SLURM_"))}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Proc:
     """A server process with its output in a file (a pipe nobody drains could stall it)."""
 
@@ -1799,7 +1783,7 @@ class Fuzzer:
     # -------------------------------------------------------------- processes
 
     def _start_servers(self) -> None:
-        env = clean_env()
+        env = base_env()
         self.daemon = Proc(
             "daemon",
             [sys.executable, "-m", "traceml_daemon", "serve", "--host", "127.0.0.1", "--port", "0",
@@ -1867,7 +1851,7 @@ class Fuzzer:
     def _start_torchrun(self) -> None:
         assert self.daemon is not None
         relay_port = self.relay.port if self.relay is not None else free_port()
-        env = clean_env(
+        env = base_env(
             TRACEML_DAEMON=f"127.0.0.1:{self.daemon.port}", TRACEML_TOKEN=self.config.token,
             TRACEML_RELAY_PORT=str(relay_port), TRACEML_SESSION=f"{GOOD_SESSION}-torch",
             TRACEML_SPOOL_DIR=str(self.workdir / "torch-spool"),

@@ -9,7 +9,6 @@ from typing import Any
 
 from tests.traceml_daemon.wire_client import RELAY, agent_sender
 from traceml_daemon.ingest.pipeline import WorkItem
-from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.schema import HISTORY_METRICS
 from traceml_wire.body import encode_body
 from traceml_wire.tables import PHASES
@@ -53,15 +52,3 @@ def stored_buckets(conn: sqlite3.Connection, level: int) -> dict[tuple[int, int]
 
 def ro(db: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-
-
-def failing_inserts(db: Path, table: str, when: str = "1") -> sqlite3.Connection:
-    """A migrated database at ``db`` where every INSERT into ``table`` whose row matches
-    ``when`` (SQL over NEW) fails inside SQLite (a real error, rolling the transaction
-    back) while meta 'fail' is '1'. Returns an autocommit connection: set it to '0' to heal."""
-    migrate(str(db))
-    conn = sqlite3.connect(db, isolation_level=None)
-    conn.execute("INSERT INTO meta VALUES ('fail', '1')")
-    conn.execute(f"CREATE TRIGGER fail_{table} BEFORE INSERT ON {table} WHEN ({when}) "
-                 "AND (SELECT value FROM meta WHERE key='fail')='1' BEGIN SELECT RAISE(ABORT, 'injected'); END")
-    return conn
