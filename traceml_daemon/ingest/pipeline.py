@@ -57,6 +57,7 @@ from traceml_daemon.ingest.staging import (
 )
 from traceml_daemon.ingest.transactions import Chain, Skipped, run_chained, run_transaction
 from traceml_daemon.net.inbound import ByteQueue
+from traceml_daemon.store import wal_index
 from traceml_daemon.store.checkpointer import Checkpointer
 from traceml_daemon.store.db_thread import on_db_thread, require_private_api
 from traceml_daemon.store.disk_full import is_disk_full
@@ -172,6 +173,7 @@ class StoreWriter:
                 await db.close()
         finally:
             self.hygiene.stop()
+            wal_index.release_unnamed()  # the -shm descriptor the checkpointer kept, once SQLite removed the file
 
     async def _flush_history_now(self) -> None:
         assert self._db is not None

@@ -25,7 +25,8 @@ twice the size inline checkpoints keep it at (it is reused, not grown, after tha
 
 Whether pages wait is read from the WAL-index header in the ``-shm`` file
 (``mxFrame`` and ``nBackfill``, https://www.sqlite.org/walformat.html): a 132-byte
-read with no lock and no SQLite call. A header that does not parse (another
+read with no lock and no SQLite call, through ``store/wal_index.py``, which never
+closes a descriptor SQLite may hold locks through. A header that does not parse (another
 format version, no file) means no checkpoint from here; the writer's backstop
 then does the work, as before. Failed checkpoints are counted and logged once
 per kind; they never reach the writer.
@@ -34,10 +35,11 @@ per kind; they never reach the writer.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import struct
 import threading
+
+from traceml_daemon.store import wal_index
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +129,9 @@ class Checkpointer:
         self.frames_copied += max(0, copied)
 
     def read_progress(self) -> tuple[int, int] | None:
-        """The WAL's progress from the ``-shm`` file, opened afresh each time (three
-        system calls a tick), so a file SQLite deleted and made anew is the one read."""
-        try:
-            fd = os.open(self.path + "-shm", os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            return wal_progress(os.pread(fd, _HEADER_BYTES, 0))
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        """The WAL's progress from the head of the ``-shm`` file."""
+        header = wal_index.read_head(self.path, _HEADER_BYTES)
+        return None if header is None else wal_progress(header)
 
     def _run(self) -> None:
         try:
@@ -153,3 +146,4 @@ class Checkpointer:
                     self.checkpoint(conn)
         finally:
             conn.close()
+            wal_index.release_unnamed()
