@@ -128,6 +128,14 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     # Cumulative drop/loss counters of the agent (monotonic; latest wins).
     "drops": (("ts", REAL), ("source", TEXT), ("count", INT)),
+    # The rank's stdout/stderr, one row per line as captured at the file descriptor
+    # (agent/output_capture.py); seq numbers every line seen, so a gap is a drop.
+    "output": (
+        ("ts", REAL),  # wall clock when the line was read
+        ("stream", TEXT),  # stdout|stderr
+        ("seq", INT),
+        ("line", TEXT),  # without its newline; cut at the agent's line cap
+    ),
 }
 
 _EXACT_TYPES: dict[str, frozenset[type]] = {

@@ -12,7 +12,7 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -352,8 +352,20 @@ def _v7() -> list[str]:
     ]
 
 
+# ------------------------------------------- v8: rank output
+# Each rank's stdout and stderr lines (wire table "output"), read per rank in time
+# order (``traceml-daemon logs``, the step inspector), grouped like the other tables.
+
+
+def _v8() -> list[str]:
+    return [
+        telemetry_table_ddl("output"),
+        f"CREATE INDEX IF NOT EXISTS output_by_group ON output (rank_id / {RANK_GROUP}, ts, rank_id)",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

@@ -140,7 +140,7 @@ def test_fresh_and_v5_databases_end_with_exactly_the_rank_columns(tmp_path: Path
     fresh, old = tmp_path / "fresh.db", tmp_path / "v5.db"
     assert migrate(str(fresh)) == SCHEMA_VERSION
     _v5_database(old)
-    assert migrate(str(old)) == SCHEMA_VERSION == 7
+    assert migrate(str(old)) == SCHEMA_VERSION
     for db in (fresh, old):
         conn = sqlite3.connect(db)
         assert _ranks_columns(conn) == RANK_COLUMNS

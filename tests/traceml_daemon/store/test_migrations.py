@@ -58,10 +58,9 @@ def _database_at(db: Path, version: int) -> sqlite3.Connection:
 def test_v1_migrates_to_the_current_version_with_history_backfilled(tmp_path: Path) -> None:
     db = tmp_path / "v1.db"
     _v1_database(db)
-    assert SCHEMA_VERSION == 7
-    assert migrate(str(db)) == 7
+    assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "7"
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     for level in HISTORY_LEVELS:
         assert stored_buckets(conn, level) == raw_buckets(conn, level)
     latest = conn.execute("SELECT rank_id, step FROM reservoir WHERE slot=? ORDER BY rank_id", (LATEST_SLOT,))
@@ -184,4 +183,19 @@ def test_v4_samples_keep_their_size_and_new_ranks_of_a_big_job_get_smaller_ones(
     assert sizes == {1: 256, 2: 256, 3: 256, 4: 64}
     counts = dict(conn.execute("SELECT rank_id, count(*) FROM reservoir WHERE slot >= 0 GROUP BY rank_id").fetchall())
     assert counts == {1: 256, 2: 256, 3: 256, 4: 64}
+    conn.close()
+
+
+def test_v7_gains_the_output_table_and_its_index(tmp_path: Path) -> None:
+    db = tmp_path / "v7.db"
+    conn = _database_at(db, 7)
+    # MIGRATIONS[0] creates every wire table of today: take away what v7 did not have.
+    conn.execute("DROP TABLE output")
+    conn.close()
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    cols = [row[1] for row in conn.execute("PRAGMA table_info(output)")]
+    assert cols == ["rank_id", "ts", "stream", "seq", "line"]
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE tbl_name='output' AND type='index'")}
+    assert indexes == {"output_by_group"}
     conn.close()
