@@ -69,6 +69,10 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("dur_ns", INT),
         ("step", INT),
         ("args", TEXT),  # JSON object text
+        ("category", TEXT),  # free string; compute, comm, io, scheduler, instr predefined
+        ("lane", TEXT),  # where it ran: "thread:<name>" or "task:<name>" (an asyncio task)
+        ("span_id", INT),  # per-process id, for parent_id
+        ("parent_id", INT),  # the enclosing span of the same lane, None at the top
     ),
     # Process sampler, every rank.
     "process": (
@@ -128,6 +132,35 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     # Cumulative drop/loss counters of the agent (monotonic; latest wins).
     "drops": (("ts", REAL), ("source", TEXT), ("count", INT)),
+    # Rollout sessions (agent.session_context): one row when registered (status
+    # "pending", unless finalized before the flush) and one when finalized; the
+    # newest row of a (rank, session_id) is its state.
+    "rollout_sessions": (
+        ("task_id", INT),
+        ("session_id", INT),
+        ("status", TEXT),  # pending|accepted|rejected|failed|dropped
+        ("reason", TEXT),
+        ("submit_ts", REAL),
+        ("finalized_ts", REAL),
+        ("open_phases", INT),  # phases still open at finalization (closed with no end)
+    ),
+    # One row per execution of a session phase (generate, reward, any name), sent at
+    # its end, or at finalization with end_ts None when it was left open.
+    "session_phases": (
+        ("session_id", INT),
+        ("phase", TEXT),
+        ("start_ts", REAL),
+        ("end_ts", REAL),
+        ("start_payload", TEXT),  # JSON object text
+        ("end_payload", TEXT),
+    ),
+    # torch.profiler trace files written by the rank (agent.init(profile_steps=...)).
+    "profiles": (
+        ("step", INT),  # first step profiled
+        ("steps", INT),  # how many steps the trace covers
+        ("ts", REAL),
+        ("path", TEXT),  # where the rank wrote the trace
+    ),
     # The rank's stdout/stderr, one row per line as captured at the file descriptor
     # (agent/output_capture.py); seq numbers every line seen, so a gap is a drop.
     "output": (

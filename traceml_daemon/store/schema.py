@@ -12,7 +12,7 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -364,8 +364,36 @@ def _v8() -> list[str]:
     ]
 
 
+# ------------------------------------------- v9: span lanes, rollout sessions, profiles
+# spans gain category, lane (thread or asyncio task), span_id and parent_id. The table
+# is rebuilt rather than altered: MIGRATIONS[0] makes today's wire tables, so a fresh
+# database already has the new columns and an ALTER would fail there. New tables: the
+# rollout session records and their phase executions (read per session of a run), and
+# the torch.profiler trace files ranks wrote.
+
+_V9_SPANS_OLD = "name, start_ns, dur_ns, step, args"
+
+
+def _v9() -> list[str]:
+    return [
+        telemetry_table_ddl("spans").replace("CREATE TABLE IF NOT EXISTS spans", "CREATE TABLE spans_v9"),
+        f"INSERT INTO spans_v9 (rank_id, {_V9_SPANS_OLD}) SELECT rank_id, {_V9_SPANS_OLD} FROM spans",
+        "DROP TABLE spans",
+        "ALTER TABLE spans_v9 RENAME TO spans",
+        f"CREATE INDEX spans_by_group ON spans (rank_id / {RANK_GROUP}, start_ns, rank_id)",
+        telemetry_table_ddl("rollout_sessions"),
+        f"CREATE INDEX IF NOT EXISTS rollout_sessions_by_group ON rollout_sessions "
+        f"(rank_id / {RANK_GROUP}, session_id, rank_id)",
+        telemetry_table_ddl("session_phases"),
+        f"CREATE INDEX IF NOT EXISTS session_phases_by_group ON session_phases "
+        f"(rank_id / {RANK_GROUP}, session_id, rank_id)",
+        telemetry_table_ddl("profiles"),
+        "CREATE INDEX IF NOT EXISTS profiles_by_rank ON profiles (rank_id, step)",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

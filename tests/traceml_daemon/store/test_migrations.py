@@ -199,3 +199,36 @@ def test_v7_gains_the_output_table_and_its_index(tmp_path: Path) -> None:
     indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE tbl_name='output' AND type='index'")}
     assert indexes == {"output_by_group"}
     conn.close()
+
+
+def test_v8_spans_gain_lanes_and_keep_their_rows_and_session_tables_appear(tmp_path: Path) -> None:
+    db = tmp_path / "v8.db"
+    conn = _database_at(db, 8)
+    # MIGRATIONS[0] creates every wire table of today: put back what v8 had.
+    for table in ("spans", "rollout_sessions", "session_phases", "profiles"):
+        conn.execute(f"DROP TABLE {table}")
+    conn.execute("CREATE TABLE spans (rank_id INTEGER NOT NULL, name TEXT, start_ns INTEGER, dur_ns INTEGER, "
+                 "step INTEGER, args TEXT)")
+    conn.execute("INSERT INTO spans VALUES (1, 'eval', 5, 7, 3, '{}'), (2, 'mark', 9, NULL, NULL, NULL)")
+    conn.close()
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    cols = [row[1] for row in conn.execute("PRAGMA table_info(spans)")]
+    assert cols == ["rank_id", "name", "start_ns", "dur_ns", "step", "args", "category", "lane", "span_id",
+                    "parent_id"]
+    rows = conn.execute("SELECT * FROM spans ORDER BY rank_id").fetchall()
+    assert rows == [(1, "eval", 5, 7, 3, "{}", None, None, None, None),
+                    (2, "mark", 9, None, None, None, None, None, None, None)]
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert {"spans_by_group", "rollout_sessions_by_group", "session_phases_by_group", "profiles_by_rank"} <= indexes
+    assert [r[1] for r in conn.execute("PRAGMA table_info(rollout_sessions)")][:3] == ["rank_id", "task_id",
+                                                                                        "session_id"]
+    conn.close()
+
+
+def test_a_fresh_database_reaches_v9_with_the_new_span_columns(tmp_path: Path) -> None:
+    db = tmp_path / "fresh.db"
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    assert "parent_id" in [row[1] for row in conn.execute("PRAGMA table_info(spans)")]
+    conn.close()
