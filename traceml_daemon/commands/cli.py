@@ -33,6 +33,7 @@ LAZY: dict[str, tuple[str, str]] = {
     "export": ("traceml_daemon.commands.export", "export a run as a Chrome trace or CSV"),
     "runs": ("traceml_daemon.commands.runs", "list the runs (sessions) in a database"),
     "launch": ("traceml_daemon.commands.launch", "start a daemon and a training command together"),
+    "validate": ("traceml_daemon.commands.validate", "check a database or relay spool for damage (exit 3)"),
 }
 
 
@@ -309,7 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in LAZY else None
     try:
-        args = build_parser(command).parse_args(argv)
+        try:
+            args = build_parser(command).parse_args(argv)
+        except SystemExit as exc:
+            # compare and validate promise exit 1 for a usage error (argparse says 2: their I/O error)
+            usage_exit = getattr(_lazy_module(command), "USAGE_EXIT", None) if command else None
+            if usage_exit is not None and exc.code == 2:
+                return int(usage_exit)
+            raise
         logging.basicConfig(
             level=getattr(args, "log_level", "INFO").upper(),
             stream=sys.stderr,
