@@ -42,12 +42,14 @@ class BatchBuilder:
         counters: Callable[[], dict[str, int]],
         reporter: ErrorReporter,
         sample_gpus: bool = True,
+        output: Callable[[], dict[str, list[Any]] | None] | None = None,
     ) -> None:
         self._recorder = recorder
         self._tracer = tracer
         self._is_leader = is_node_leader
         self._counters = counters
         self._reporter = reporter
+        self._output = output  # the captured stdout/stderr lines (agent/output_capture.py)
         # NVML init can take 100+ ms on a GPU host: this constructor runs on
         # the sender thread, never inside agent.init().
         self._nvml = Nvml() if sample_gpus else None
@@ -104,6 +106,14 @@ class BatchBuilder:
             except Exception as exc:
                 self._reporter.report("tracer-status", f"could not read step status: {exc!r}")
         tables = self._recorder.drain()
+        if self._output is not None:
+            try:
+                lines = self._output()
+            except Exception as exc:
+                self._reporter.report("output-capture", f"could not take captured output: {exc!r}")
+                lines = None
+            if lines:
+                tables["output"] = lines
         # The flush's own rows bypass the recorder: a recorder full of steps must not
         # drop the final status or the very counters that report its drops.
         own: dict[str, list[dict[str, Any]]] = {"status": [{**status, "ts": now, "finished": 1 if final else 0}]}

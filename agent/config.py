@@ -40,6 +40,8 @@ class Config:
     # How long shutdown (and exit) may take to hand the last rows to the daemon; what is
     # not acknowledged by then stays in the relay's spool (traceml-daemon ingest).
     shutdown_timeout_s: float = 2.0
+    capture_output: bool = True  # tee the rank's stdout/stderr to the daemon (agent/output_capture.py)
+    output_lines_per_s: float = 20_000.0  # lines captured beyond this rate are dropped and counted
 
 
 def parse_host_port(text: str, default: tuple[str, int]) -> tuple[str, int]:
@@ -101,6 +103,8 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_DEEP_DIVE_EVERY": ("deep_dive_every", _positive_int),
     "TRACEML_NO_RELAY": ("start_relay", lambda s: not _flag(s)),
     "TRACEML_SHUTDOWN_S": ("shutdown_timeout_s", _positive_float),
+    "TRACEML_CAPTURE_OUTPUT": ("capture_output", _flag),
+    "TRACEML_OUTPUT_LINES_PER_S": ("output_lines_per_s", _positive_float),
 }
 
 # init() keyword aliases that read better than the field names
@@ -134,7 +138,7 @@ def load_config(env: Mapping[str, str], overrides: Mapping[str, Any] | None = No
 
 def _coerce(attr: str, value: Any) -> Any:
     """Accept the obvious Python forms of an override (env-style strings too)."""
-    if attr in ("disabled", "deep_dive", "start_relay"):
+    if attr in ("disabled", "deep_dive", "start_relay", "capture_output"):
         return _flag(value) if isinstance(value, str) else bool(value)
     if attr == "daemon":
         if isinstance(value, str):
@@ -145,7 +149,7 @@ def _coerce(attr: str, value: Any) -> Any:
         return _port(str(value))
     if attr in ("buffer_bytes", "recorder_bytes", "deep_dive_every"):
         return _positive_int(str(int(value)))
-    if attr in ("flush_s", "shutdown_timeout_s"):
+    if attr in ("flush_s", "shutdown_timeout_s", "output_lines_per_s"):
         return _positive_float(str(value))
     if attr in ("token", "tls_ca"):
         return str(value) if value else None

@@ -158,6 +158,7 @@ class Runtime:
         self._started = threading.Event()  # start() returned: the sender thread may build
         self._fail_open = False
         self._builder: Any = None
+        self.output: Any = None  # agent.output_capture.OutputCapture while the rank's output is captured
         self.sender = Sender(
             source=self._make_builder,
             hello=self._hello,
@@ -216,11 +217,16 @@ class Runtime:
     def start(self) -> None:
         # The tracer is built on the sender thread (its first job, _prepare): init() returns
         # without importing the capture machinery.
+        if self.config.capture_output:
+            self._start_output()
         self.sender.start()
         self._started.set()
 
     def stop(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        # First the console gets its descriptors back and the pipes are read out (a traceback
+        # printed at exit), so the final flush below carries the last lines.
+        self._stop_output(min(0.5, timeout / 4))
         # The relay forwards our last batch upstream, so it needs a slice too.
         sender_share = timeout * (0.75 if self.relay is not None else 1.0)
         self.sender.stop(sender_share)
@@ -279,6 +285,33 @@ class Runtime:
             else:
                 self.reporter.report("relay", f"could not start the node relay: {exc!r}")
 
+    def _start_output(self) -> None:
+        from agent.output_capture import OutputCapture
+
+        capture = OutputCapture(
+            lines_per_s=self.config.output_lines_per_s,
+            warn=lambda msg: self.reporter.report("output-capture", msg),
+        )
+        try:
+            capture.start()
+        except OSError as exc:
+            self.reporter.report("output-capture", f"rank output not captured: {exc!r}")
+            return
+        self.output = capture
+
+    def _stop_output(self, timeout: float) -> None:
+        capture = self.output
+        if capture is None:
+            return
+        try:
+            capture.stop(timeout)
+        except Exception as exc:
+            self.reporter.report("output-capture", f"could not restore stdout/stderr: {exc!r}")
+
+    def _drain_output(self) -> dict[str, list[Any]] | None:
+        capture = self.output
+        return None if capture is None else capture.drain()
+
     def _make_builder(self) -> Any:
         from agent.batch import BatchBuilder  # psutil import off the init() path
 
@@ -288,6 +321,7 @@ class Runtime:
             is_node_leader=lambda: self.identity.local_rank == 0,
             counters=self._counters,
             reporter=self.reporter,
+            output=self._drain_output,
         )
         self._builder = builder
         # A tracer the training thread built meanwhile (its build hands it to _builder too).
@@ -306,6 +340,7 @@ class Runtime:
             "sender_batches": buf.dropped_batches,
             "sender_bytes": buf.dropped_bytes,
             "agent_errors": self.reporter.total(),
+            **(self.output.counters() if self.output is not None else {}),
         }
 
     def _hello(self, final: bool) -> HelloInfo | None:
