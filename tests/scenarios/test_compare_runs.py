@@ -38,7 +38,7 @@ def test_compare_names_the_step_where_the_perturbed_run_diverges(tmp_path: Path)
     # and everything before it (same seed, same data, 1 thread, gloo sum of 2) is bit for bit equal.
     _run(b, "--perturb-from", str(PERTURB_FROM))
     done = cli("compare", str(a), str(b), "--json")
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 4, done.stderr  # divergence detected
     scalars: dict[str, Any] = json.loads(done.stdout)["scalars"]
     assert scalars["ulp"] == 0 and scalars["identical"] is False
     first = scalars["first_divergence"]

@@ -173,7 +173,7 @@ def test_added_culprit_is_a_move_and_same_culprit_is_not(tmp_path: Path) -> None
 def test_cli_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pa = make_db(tmp_path / "a.db", 50.0, LOSSES)
     pb = make_db(tmp_path / "b.db", 60.0, diverged(3, 1))
-    assert main([str(pa), str(pb)]) == 0
+    assert main([str(pa), str(pb)]) == 4  # diverged
     text = capsys.readouterr().out
     assert "first divergence at step 3: loss (rank 0)" in text and "REGRESSION" in text
     assert main([str(pa), str(pb), "--json", "--ulp", "1"]) == 0

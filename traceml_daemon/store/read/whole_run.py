@@ -34,7 +34,16 @@ _STEP_COLS = (
 
 
 class UnreadableRun(Exception):
-    """A database whose run cannot be loaded; the message names its path."""
+    """A database whose run cannot be loaded; the message names its path. ``damaged``: the file
+    is an SQLite database that SQLite found malformed (validation failure, not I/O)."""
+
+    def __init__(self, message: str, damaged: bool = False) -> None:
+        super().__init__(message)
+        self.damaged = damaged
+
+
+def _is_damage(exc: sqlite3.DatabaseError) -> bool:
+    return "malformed" in str(exc) or isinstance(exc, sqlite3.IntegrityError)
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -45,7 +54,7 @@ def _connect(path: str) -> sqlite3.Connection:
         con = sqlite3.connect(f"file:{quote(str(p.resolve()))}?mode=ro", uri=True)
         tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as exc:
-        raise UnreadableRun(f"{path}: not a traceml database ({exc})") from None
+        raise UnreadableRun(f"{path}: not a traceml database ({exc})", _is_damage(exc)) from None
     missing = {"ranks", "steps", "scalars", "models"} - tables
     if missing:
         con.close()
@@ -66,7 +75,7 @@ def load_session(path: str, session: str | None = None) -> tuple[RunRef, RunData
         with gc_paused():  # every step row of a run, acyclic (see gc_pause)
             return _load(con, path, session)
     except sqlite3.DatabaseError as exc:
-        raise UnreadableRun(f"{path}: cannot read ({exc})") from None
+        raise UnreadableRun(f"{path}: cannot read ({exc})", _is_damage(exc)) from None
     finally:
         con.close()
 
