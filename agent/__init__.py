@@ -23,9 +23,15 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from agent import runtime as _rt
+from agent import sessions as _sessions
+from agent import spans as _spans
 from agent.errors import reporter as _reporter
 
-__all__ = ["init", "trace_step", "log", "span", "instant", "shutdown"]
+__all__ = [
+    "init", "trace_step", "log", "span", "instant", "shutdown",
+    "trace_perf", "set_task_id", "session_context", "trace_session", "trace_session_phase",
+    "trace_session_event", "current_task_id", "current_session_id", "CATEGORIES",
+]
 
 _NULL = _rt.NULL_CONTEXT
 
@@ -68,26 +74,43 @@ def log(**scalars: Any) -> None:
         _reporter.report("log", f"log failed: {exc!r}")
 
 
-def span(name: str, **args: Any) -> AbstractContextManager[None]:
-    """A named region (exported to Chrome trace / Perfetto)."""
+def span(name: str, category: str | None = None, **args: Any) -> Any:
+    """A named region: ``with``, ``async with`` or a decorator (agent/spans.py)."""
     try:
-        runtime = _rt.current or _rt.implicit()
-        if runtime is None:
-            return _NULL
-        return runtime.span(name, args)
+        return _spans.open_span(name, category, args)
     except Exception as exc:
         _reporter.report("span", f"span failed: {exc!r}")
-        return _NULL
+        return _spans.NULL_SPAN
 
 
-def instant(name: str, **args: Any) -> None:
+def instant(name: str, category: str | None = None, **args: Any) -> None:
     """A point-in-time mark."""
     try:
-        runtime = _rt.current or _rt.implicit()
-        if runtime is not None and runtime.tracer is not None:
-            runtime.tracer.instant(name, **args)
+        _spans.instant(name, category, args)
     except Exception as exc:
         _reporter.report("instant", f"instant failed: {exc!r}")
+
+
+# Decorators and the rollout session lifecycle (agent/spans.py, agent/sessions.py):
+# each is fail-open on its own.
+trace_perf = _spans.trace_perf
+CATEGORIES = _spans.CATEGORIES
+set_task_id = _sessions.set_task_id
+current_task_id = _sessions.current_task_id
+current_session_id = _sessions.current_session_id
+session_context = _sessions.session_context
+trace_session = _sessions.trace_session
+trace_session_phase = _sessions.trace_session_phase
+
+
+def trace_session_event(event: str, session_id: int | None = None, task_id: int | None = None,
+                        **payload: Any) -> None:
+    """``mark_finalized`` (status accepted|rejected|failed|dropped, optional reason) or
+    ``mark_<phase>_start|end``, for ``session_id``, every session of ``task_id``, or this context's."""
+    try:
+        _sessions.trace_session_event(event, session_id=session_id, task_id=task_id, **payload)
+    except Exception as exc:
+        _reporter.report("session-event", f"trace_session_event failed: {exc!r}")
 
 
 def shutdown() -> None:

@@ -43,6 +43,7 @@ class BatchBuilder:
         reporter: ErrorReporter,
         sample_gpus: bool = True,
         output: Callable[[], dict[str, list[Any]] | None] | None = None,
+        extra: Callable[[], Tables] | None = None,
     ) -> None:
         self._recorder = recorder
         self._tracer = tracer
@@ -50,6 +51,7 @@ class BatchBuilder:
         self._counters = counters
         self._reporter = reporter
         self._output = output  # the captured stdout/stderr lines (agent/output_capture.py)
+        self._extra = extra  # spans, rollout sessions, profiles: columnar tables of their own buffers
         # NVML init can take 100+ ms on a GPU host: this constructor runs on
         # the sender thread, never inside agent.init().
         self._nvml = Nvml() if sample_gpus else None
@@ -114,6 +116,11 @@ class BatchBuilder:
                 lines = None
             if lines:
                 tables["output"] = lines
+        if self._extra is not None:
+            try:
+                _merge(tables, self._extra())
+            except Exception as exc:
+                self._reporter.report("extra-tables", f"could not take spans or sessions: {exc!r}")
         # The flush's own rows bypass the recorder: a recorder full of steps must not
         # drop the final status or the very counters that report its drops.
         own: dict[str, list[dict[str, Any]]] = {"status": [{**status, "ts": now, "finished": 1 if final else 0}]}
@@ -177,3 +184,14 @@ def _append_rows(tables: Tables, name: str, rows: list[dict[str, Any]]) -> None:
         return
     for col, values in cols.items():
         tables[name][col].extend(values)
+
+
+def _merge(tables: Tables, more: Tables) -> None:
+    """Add the columnar tables ``more`` to a drained batch (same columns per table)."""
+    for name, cols in more.items():
+        have = tables.get(name)
+        if have is None:
+            tables[name] = cols
+            continue
+        for col, values in cols.items():
+            have.setdefault(col, [None] * (len(next(iter(have.values()))) if have else 0)).extend(values)

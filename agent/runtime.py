@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agent import sessions as _sessions
+from agent import spans as _spans
 from agent.config import Config, load_config
 from agent.errors import ErrorReporter, reporter
 from agent.identity import Identity, agent_sender_id, current_identity
@@ -150,6 +152,10 @@ class Runtime:
         self._relay_starter = relay_starter or _default_relay_starter
         self.relay: Any = None
         self.recorder = Recorder(config.recorder_bytes)
+        # Spans and rollout sessions queue on their own bounded buffers (a quarter of the
+        # recorder's budget each), turned into rows on the sender thread.
+        self.spans = _spans.SpanSink(config.recorder_bytes // 4, self.reporter)
+        self.sessions = _sessions.SessionBook(config.recorder_bytes // 4, self.reporter)
         self._tracer_factory = tracer_factory or _default_tracer_factory
         self._tracer: Any = None
         self._tracer_built = False  # built (or failed to build): read without the lock
@@ -208,6 +214,7 @@ class Runtime:
             # never raise and never swallow; any other (a test double, a plug-in) gets Guarded.
             self._fail_open = getattr(tracer, "FAIL_OPEN_CONTEXTS", False) is True
             self._tracer = tracer
+            self.spans.tracer = tracer  # spans carry the step in progress
             self._tracer_built = True
         builder = self._builder
         if builder is not None and tracer is not None:
@@ -322,12 +329,20 @@ class Runtime:
             counters=self._counters,
             reporter=self.reporter,
             output=self._drain_output,
+            extra=self._extra_tables,
         )
         self._builder = builder
         # A tracer the training thread built meanwhile (its build hands it to _builder too).
         if self._tracer is not None:
             builder.set_tracer(self._tracer)
         return builder
+
+    def _extra_tables(self) -> dict[str, dict[str, list[Any]]]:
+        tables = self.sessions.take()
+        spans = self.spans.take()
+        if spans is not None:
+            tables["spans"] = spans
+        return tables
 
     def _on_reconnect(self) -> None:
         if self._builder is not None:
@@ -341,6 +356,8 @@ class Runtime:
             "sender_bytes": buf.dropped_bytes,
             "agent_errors": self.reporter.total(),
             **(self.output.counters() if self.output is not None else {}),
+            "spans_dropped": self.spans.dropped,
+            **self.sessions.counters(),
         }
 
     def _hello(self, final: bool) -> HelloInfo | None:
@@ -503,6 +520,20 @@ def _after_fork_in_child() -> None:
     fast_models = None
     _forked_child = True
     reporter.after_fork()
+
+
+def _current_spans() -> _spans.SpanSink | None:
+    runtime = current or implicit()
+    return None if runtime is None else runtime.spans
+
+
+def _current_sessions() -> _sessions.SessionBook | None:
+    runtime = current or implicit()
+    return None if runtime is None else runtime.sessions
+
+
+_spans.resolve_sink = _current_spans
+_sessions.resolve_book = _current_sessions
 
 
 if hasattr(os, "register_at_fork"):
