@@ -59,6 +59,12 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("reserved_bytes", INT),
         ("rss_bytes", INT),
         ("model_id", INT),  # which traced model (two models in one process)
+        # FSDP2 collectives timed inside forward / backward (all-gather, reduce-scatter, HSDP
+        # all-reduce), and the part of them on HSDP's replicate dimension; None elsewhere.
+        ("fwd_comm_ns", INT),
+        ("bwd_comm_ns", INT),
+        ("replicate_comm_ns", INT),
+        ("post_forward_bytes", INT),  # device allocated after the root forward (FSDP2, CUDA); None on CPU
     ),
     # agent.log(name=value) scalars, resolved lazily.
     "scalars": (("step", INT), ("name", TEXT), ("value", REAL)),
@@ -129,6 +135,8 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("param_bytes", INT),
         ("local_shard_bytes", INT),  # FSDP2 only
         ("estimated_full_bytes", INT),  # FSDP2 only
+        ("shard_degree", INT),  # FSDP2: ranks the parameters are sharded over
+        ("replicate_degree", INT),  # HSDP: copies of the sharded model (None for 1-D FSDP2)
     ),
     # Cumulative drop/loss counters of the agent (monotonic; latest wins).
     "drops": (("ts", REAL), ("source", TEXT), ("count", INT)),
@@ -168,6 +176,18 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("stream", TEXT),  # stdout|stderr
         ("seq", INT),
         ("line", TEXT),  # without its newline; cut at the agent's line cap
+    ),
+    # Numerics fingerprints (agent/fingerprint.py, opt-in): every N steps, one row per
+    # parameter tensor of a traced model, taken after the optimizer step.
+    "fingerprints": (
+        ("step", INT),
+        ("model_id", INT),
+        ("idx", INT),  # the tensor's position in named_parameters(): "first layer" is the lowest
+        ("layer", TEXT),  # the parameter's name
+        ("param_norm", REAL),  # L2 norm, accumulated in float64
+        ("grad_norm", REAL),  # L2 norm of its gradient; None: no gradient
+        ("grad_nonfinite", INT),  # NaN and infinite values in the gradient
+        ("shard", INT),  # 1: the rank's local shard (FSDP2): the full norm adds the ranks' squares
     ),
 }
 

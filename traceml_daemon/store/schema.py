@@ -12,14 +12,25 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
 
-def telemetry_table_ddl(name: str) -> str:
-    cols = ", ".join(f"{col} {_SQL_TYPES[kind]}" for col, kind in TABLES[name])
+def telemetry_table_ddl(name: str, version: int | None = None) -> str:
+    """``version``: the table as that schema version made it (without LATER_COLUMNS added after)."""
+    later = LATER_COLUMNS.get(name, {}) if version is not None else {}
+    cols = ", ".join(f"{col} {_SQL_TYPES[kind]}" for col, kind in TABLES[name] if later.get(col, 0) <= (version or 0))
     return f"CREATE TABLE IF NOT EXISTS {name} (rank_id INTEGER NOT NULL, {cols})"
+
+
+# Columns a later step appended to a table of v1 (ALTER TABLE ADD COLUMN: no rebuild of a
+# large table), by the version that added them. MIGRATIONS[0] leaves them out, since a
+# fresh database runs every step; validation expects them from that version on.
+LATER_COLUMNS: dict[str, dict[str, int]] = {
+    "steps": {"fwd_comm_ns": 10, "bwd_comm_ns": 10, "replicate_comm_ns": 10, "post_forward_bytes": 10},
+    "models": {"shard_degree": 10, "replicate_degree": 10},
+}
 
 
 _BASE = [
@@ -60,7 +71,7 @@ _INDEXES = [
 
 
 def _v1() -> list[str]:
-    return _BASE + [telemetry_table_ddl(name) for name in TABLES] + _INDEXES
+    return _BASE + [telemetry_table_ddl(name, 1) for name in TABLES] + _INDEXES
 
 
 # ---------------------------------------------------------------- v2: history
@@ -392,8 +403,23 @@ def _v9() -> list[str]:
     ]
 
 
+# ------------------------------------------- v10: FSDP2 collective wait and mesh
+# steps gain the FSDP2 collective time measured inside forward and backward, its part on
+# HSDP's replicate dimension and the device memory after forward; models the mesh's
+# shard and replicate sizes. Appended (LATER_COLUMNS): old rows read NULL, not measured.
+
+
+def _v10() -> list[str]:
+    return [
+        f"ALTER TABLE {table} ADD COLUMN {col} {_SQL_TYPES[dict(TABLES[table])[col]]}"
+        for table, cols in LATER_COLUMNS.items()
+        for col, version in cols.items()
+        if version == 10
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

@@ -22,6 +22,7 @@ from traceml_daemon.store.schema import (
     RANK_GROUP,
     SCHEMA_VERSION,
 )
+from traceml_wire.tables import columns
 
 
 def _v1_database(db: Path) -> None:
@@ -142,6 +143,7 @@ def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: 
     assert run is not None
     before = {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)}
     steps_before = _dump(conn, "steps")
+    cols_before = _columns(conn, "steps")  # later steps append columns (NULL in these rows)
     conn.close()
     assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
@@ -153,7 +155,7 @@ def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: 
         # An expression column has no name: (rank_id / RANK_GROUP, *order, rank_id).
         assert columns == [None, *order.split(", "), "rank_id"]
     assert f"/ {RANK_GROUP}" in conn.execute("SELECT sql FROM sqlite_master WHERE name='steps_by_group'").fetchone()[0]
-    assert _dump(conn, "steps") == steps_before
+    assert _dump(conn, "steps", cols_before) == steps_before
     assert {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)} == before
     assert all(len(v) == 1500 for v in before.values())
     conn.close()
@@ -231,4 +233,29 @@ def test_a_fresh_database_reaches_v9_with_the_new_span_columns(tmp_path: Path) -
     assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
     assert "parent_id" in [row[1] for row in conn.execute("PRAGMA table_info(spans)")]
+    conn.close()
+
+
+def test_v9_steps_and_models_gain_the_fsdp2_columns_and_old_rows_read_null(tmp_path: Path) -> None:
+    db = tmp_path / "v9.db"
+    conn = _database_at(db, 9)  # MIGRATIONS[0] makes steps and models as v1 had them
+    conn.execute("INSERT INTO models (rank_id, model_id, name, parallelism) VALUES (1, 0, 'Net', 'fsdp2')")
+    conn.close()
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    for table in ("steps", "models"):
+        assert [row[1] for row in conn.execute(f"PRAGMA table_info({table})")] == ["rank_id", *columns(table)]
+    assert conn.execute("SELECT count(*) FROM steps WHERE fwd_comm_ns IS NOT NULL OR bwd_comm_ns IS NOT NULL "
+                        "OR replicate_comm_ns IS NOT NULL OR post_forward_bytes IS NOT NULL").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM steps").fetchone()[0] == 4500
+    assert conn.execute("SELECT shard_degree, replicate_degree FROM models").fetchall() == [(None, None)]
+    conn.close()
+
+
+def test_a_fresh_database_has_the_fsdp2_columns_in_wire_order(tmp_path: Path) -> None:
+    db = tmp_path / "fresh.db"
+    assert migrate(str(db)) == SCHEMA_VERSION
+    conn = ro(db)
+    for table in ("steps", "models"):
+        assert [row[1] for row in conn.execute(f"PRAGMA table_info({table})")] == ["rank_id", *columns(table)]
     conn.close()

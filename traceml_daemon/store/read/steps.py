@@ -14,12 +14,16 @@ from typing import Any
 
 from traceml_daemon.analysis.model import RankStatus
 from traceml_daemon.store.read.runs import RunRef
-from traceml_daemon.store.schema import rank_is, ranks_in
+from traceml_daemon.store.schema import LATER_COLUMNS, rank_is, ranks_in
 from traceml_wire.tables import columns
 
 # The step columns readers use, in the wire's order (``analysis.rolling.STEP_COLUMNS``
-# less ``model_id``), so rows transpose into the batches a ``RankWindow`` takes.
-STEP_COLS: tuple[str, ...] = tuple(c for c in columns("steps") if c != "model_id")
+# less ``model_id``), so rows transpose into the batches a ``RankWindow`` takes. Columns
+# appended by a later schema step are left out: a database not migrated yet lacks them
+# (store.read.fsdp2 reads the FSDP2 ones where they exist).
+STEP_COLS: tuple[str, ...] = tuple(
+    c for c in columns("steps") if c != "model_id" and c not in LATER_COLUMNS.get("steps", {})
+)
 _SELECT_STEPS = ", ".join(STEP_COLS)
 _STATUS_COLS = "ts, phase, phase_since, step, steps_done, finished"
 _RUN_RANKS = "r.session=? AND r.attempt=? AND r.rank_id>?"
