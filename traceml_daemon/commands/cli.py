@@ -34,6 +34,8 @@ LAZY: dict[str, tuple[str, str]] = {
     "runs": ("traceml_daemon.commands.runs", "list the runs (sessions) in a database"),
     "launch": ("traceml_daemon.commands.launch", "start a daemon and a training command together"),
     "validate": ("traceml_daemon.commands.validate", "check a database or relay spool for damage (exit 3)"),
+    "logs": ("traceml_daemon.commands.logs", "rank output, identical lines folded across ranks, errors first"),
+    "sessions": ("traceml_daemon.commands.sessions", "rollout session records (AReaL JSONL layout) and their summary"),
 }
 
 

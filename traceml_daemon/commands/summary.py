@@ -17,8 +17,10 @@ from traceml_daemon.analysis.nodes import node_views, skews
 from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.analysis.policy_file import policy_overrides
 from traceml_daemon.analysis.report import format_verdicts
+from traceml_daemon.analysis.stats import rank_ranges
 from traceml_daemon.store import reader
 from traceml_daemon.store.gc_pause import gc_paused
+from traceml_daemon.store.read import output
 from traceml_wire.printable import printable_text
 
 log = logging.getLogger("traceml_daemon.commands.summary")
@@ -122,6 +124,8 @@ def _build_summary(db_path: str, policy: Policy | None = None, session: str | No
             skew=skews(run),
             verdicts=_verdicts(run, policy),
             live=run.live,
+            # The rank whose traceback came first, from the ranks' captured output.
+            failure=output.first_failure(conn, [(r.rank_id, d.global_rank) for r, d in zip(rows, run.ranks, strict=True)]),
         )
         return summary
     finally:
@@ -217,10 +221,26 @@ def render_text(summary: dict[str, Any]) -> str:
             f"skew: ranks {_fmt(skew['global_skew_ms'])} ms ({_fmt(skew['global_skew_pct'])}%), "
             f"busy {_fmt(skew.get('busy_skew_ms'))} ms, nodes {_fmt(skew.get('node_skew_ms'))} ms"
         )
+    lines += _failure_lines(summary.get("failure"))
     lines += ["", "Delivery"]
     lines += [f"  {k}: {v}" for k, v in summary["delivery"].items()]
     # Hostnames, sessions and verdict texts carry peer strings: no escape sequence reaches the terminal.
     return printable_text("\n".join(lines)) + "\n"
+
+
+def _failure_lines(failure: dict[str, Any] | None) -> list[str]:
+    """The first rank that failed: its exception, traceback and last lines (`logs` shows all)."""
+    if not failure:
+        return []
+    others = [r for r in failure["ranks_with_traceback"] if r != failure["global_rank"]]
+    lines = ["", f"First failure: rank {failure['global_rank']}: {failure['exception']}"]
+    if others:
+        lines.append(f"  (tracebacks also on ranks {rank_ranges(others)})")
+    lines += [f"  {line}" for line in failure["traceback"]]
+    lines.append(f"  last lines of rank {failure['global_rank']} (`traceml-daemon logs --rank "
+                 f"{failure['global_rank']}` shows more):")
+    lines += [f"    {line}" for line in failure["last_lines"]]
+    return lines
 
 
 def write_summary_files(db_path: str, summary: dict[str, Any]) -> list[str]:

@@ -58,6 +58,7 @@ RAW_TABLES: tuple[tuple[str, str, float], ...] = (
     ("system", "ts", 1.0),
     ("gpu", "ts", 1.0),
     ("spans", "start_ns", 1e9),
+    ("output", "ts", 1.0),
 )
 
 
