@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
+from agent.capture import fsdp2_comm
 from agent.capture.events import EventBackend
 from agent.capture.guard import ErrorGate
 from agent.capture.memory import read_rss
@@ -185,17 +186,19 @@ class StepRowsMixin:
         step_ns = rec.t_exit - rec.t_enter + rec.dl_out + rec.h2d_out
         dl = rec.dl_out + rec.dl_in if rec.has_dl else None
         h2d_ns = rec.h2d + rec.h2d_out if self._cuda else None
-        return self._row(rec, step_ns, dl, h2d_ns, rec.fwd, rec.bwd, rec.opt, rec.comm)
+        # FSDP2 host sums are the wait on CPU only: on a device they time kernel launches.
+        fsdp = fsdp2_comm.host_sums(rec) if self._backend is None else None
+        return self._row(rec, step_ns, dl, h2d_ns, rec.fwd, rec.bwd, rec.opt, rec.comm, fsdp)
 
     def _row(self, rec: StepRecord, step_ns: int, dl: int | None, h2d_ns: int | None, fwd: int, bwd: int, opt: int,
-             comm: list[tuple[int, int]] | None) -> dict[str, Any]:
+             comm: list[tuple[int, int]] | None, fsdp: list[int] | None = None) -> dict[str, Any]:
         comm_ns, wait = derive_wait(comm)
         if wait is not None:
             # Backward ran until DDP's last all-reduce completed; the blocked part is wait.
             bwd = max(0, bwd - wait)
         else:
             wait = max(0, step_ns - (dl or 0) - (h2d_ns or 0) - fwd - bwd - opt)
-        return {
+        row = {
             "step": rec.step,
             "ts": (rec.t_exit + self._wall_offset_ns) / 1e9,
             "step_ns": step_ns,
@@ -211,7 +214,10 @@ class StepRowsMixin:
             "reserved_bytes": getattr(rec, "reserved_bytes", None),
             "rss_bytes": self._rss,
             "model_id": rec.model_id,
+            "post_forward_bytes": getattr(rec, "post_fwd", None),
         }
+        row.update(fsdp2_comm.row_fields(fsdp))
+        return row
 
     @staticmethod
     def _events(rec: StepRecord) -> list[Any]:
@@ -264,7 +270,8 @@ class StepRowsMixin:
             self._emit("steps", row)
 
     def _device_row(self, rec: StepRecord, backend: EventBackend) -> dict[str, Any]:
-        acc = [0] * 7
+        acc = [0] * (fsdp2_comm.DEVICE_SLOT0 + fsdp2_comm.N_SLOTS)
+        fsdp_seen = False
         comm: list[tuple[int, int]] | None = None
         ev_enter = rec.ev_enter
         for slot, ev0, ev1 in rec.dev or ():
@@ -273,11 +280,14 @@ class StepRowsMixin:
                     comm = []
                 # Offsets from step start put all buckets on one timeline.
                 comm.append((backend.elapsed_ns(ev_enter, ev0), backend.elapsed_ns(ev_enter, ev1)))
+            elif slot >= fsdp2_comm.DEVICE_SLOT0:
+                fsdp_seen = True
             acc[slot] += max(0, backend.elapsed_ns(ev0, ev1))
+        fsdp = acc[fsdp2_comm.DEVICE_SLOT0:] if fsdp_seen else None
         step_ns = max(0, backend.elapsed_ns(ev_enter, rec.ev_exit)) + rec.dl_out + acc[_H2D_OUT]
         dl = rec.dl_out + rec.dl_in if rec.has_dl else None
         return self._row(rec, step_ns, dl, acc[H2D] + acc[_H2D_OUT], acc[FORWARD], acc[BACKWARD], acc[OPTIMIZER],
-                         comm)
+                         comm, fsdp)
 
     def _emit(self, table: str, row: dict[str, Any]) -> None:
         # A failing recorder costs the row, never the step or the model's state.

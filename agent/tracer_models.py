@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from agent.capture import autograd, dataloader, ddp, h2d, optimizer
+from agent.capture import autograd, dataloader, ddp, fsdp2_comm, h2d, optimizer
 from agent.capture.events import EventBackend
 from agent.capture.guard import ErrorGate
 from agent.capture.model import ModelState, describe, leaf_modules, time_forward
@@ -140,7 +140,9 @@ class ModelsMixin:
                     state.comm_hooked = ddp.attach(model, self)
                 except Exception as exc:
                     self._gate.fail("ddp_comm_hook", exc)
-            if self._deep_dive and info.parallelism != "fsdp2":
+            if info.parallelism == "fsdp2":
+                self._attach_fsdp2(model, state)
+            elif self._deep_dive:
                 state.leaves = leaf_modules(model)
             key = id(model)
 
@@ -151,6 +153,24 @@ class ModelsMixin:
             state.ref = weakref.ref(model, forget)
         self._emit("models", info.row(state.model_id))
         return state
+
+    def _attach_fsdp2(self, model: torch.nn.Module, state: ModelState) -> None:
+        """FSDP2: time its collectives (once per process), read memory after forward; no layer hooks."""
+        try:
+            if self._deep_dive:
+                # Per-layer hooks would fire around FSDP2's unshard and see only shard fragments.
+                self._gate.notice("deep_dive_fsdp2", f"per-layer deep dive skipped: {type(model).__name__} is "
+                                  "FSDP2; step phases, collective wait and shard memory are reported instead")
+            if not any(getattr(undo, "fsdp2_comm", False) for undo in self._undo):
+                undo = fsdp2_comm.install(self)
+                if undo is not None:
+                    undo.fsdp2_comm = True  # type: ignore[attr-defined]
+                    self._undo.append(undo)
+            handle = fsdp2_comm.memory_hook(model, self)
+            if handle is not None:
+                state.handles.append(handle)
+        except Exception as exc:
+            self._gate.fail("fsdp2_attach", exc)
 
     def _decide_backend(self) -> None:
         """Keep the automatic CUDA backend only if this process uses CUDA.

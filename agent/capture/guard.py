@@ -32,6 +32,13 @@ class ErrorGate:
         except Exception:  # a broken warn callback must not break training either
             pass
 
+    def notice(self, kind: str, message: str) -> None:
+        """One line for the user (not a failure, not counted); the caller's printer says it once per kind."""
+        try:
+            self._warn(kind, message)
+        except Exception:
+            pass
+
     def total(self) -> int:
         with self._lock:
             return sum(self.counts.values())

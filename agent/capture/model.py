@@ -41,16 +41,21 @@ _perf = time.perf_counter_ns
 
 
 class ModelInfo:
-    __slots__ = ("name", "parallelism", "n_modules", "param_bytes", "local_shard_bytes", "estimated_full_bytes")
+    __slots__ = ("name", "parallelism", "n_modules", "param_bytes", "local_shard_bytes", "estimated_full_bytes",
+                 "shard_degree", "replicate_degree")
 
     def __init__(self, name: str, parallelism: str, n_modules: int, param_bytes: int,
-                 local_shard_bytes: int | None, estimated_full_bytes: int | None) -> None:
+                 local_shard_bytes: int | None, estimated_full_bytes: int | None,
+                 shard_degree: int | None = None, replicate_degree: int | None = None) -> None:
         self.name = name
         self.parallelism = parallelism
         self.n_modules = n_modules
         self.param_bytes = param_bytes
         self.local_shard_bytes = local_shard_bytes
         self.estimated_full_bytes = estimated_full_bytes
+        # FSDP2's device mesh: ranks sharing one copy (shard) and copies (HSDP replicate).
+        self.shard_degree = shard_degree
+        self.replicate_degree = replicate_degree
 
     def row(self, model_id: int) -> dict[str, Any]:
         return {
@@ -61,6 +66,8 @@ class ModelInfo:
             "param_bytes": self.param_bytes,
             "local_shard_bytes": self.local_shard_bytes,
             "estimated_full_bytes": self.estimated_full_bytes,
+            "shard_degree": self.shard_degree,
+            "replicate_degree": self.replicate_degree,
         }
 
 
@@ -116,7 +123,10 @@ def describe(model: torch.nn.Module | None) -> ModelInfo:
     inner = model.module if _is_ddp(model) else model
     name = type(inner).__name__
     if fsdp2:
-        return ModelInfo(name, "fsdp2", n_modules, local, local, full)
+        from agent.capture.fsdp2_comm import mesh_degrees
+
+        shard, replicate = mesh_degrees(model)
+        return ModelInfo(name, "fsdp2", n_modules, local, local, full, shard, replicate)
     return ModelInfo(name, "ddp" if _is_ddp(model) else "single", n_modules, local, None, None)
 
 

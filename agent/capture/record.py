@@ -78,6 +78,10 @@ class StepRecord:
         "dev_lost",
         "peak_bytes",
         "reserved_bytes",
+        # FSDP2 (agent.capture.fsdp2_comm): host collective sums, allocated bytes after forward.
+        # Unset unless a traced FSDP2 step sets them; readers use getattr with a None default.
+        "fsdp",
+        "post_fwd",
     )
 
     # No __init__: a step opens on the training thread, where a Python-level
