@@ -18,6 +18,7 @@ DEFAULT_FLUSH_S = 1.0
 DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
 DEFAULT_RECORDER_BYTES = 32 * 1024 * 1024
 DEFAULT_DEEP_DIVE_EVERY = 50
+DEFAULT_FINGERPRINT_EVERY = 50  # the interval fingerprint_every=True (or "on") picks
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -36,6 +37,7 @@ class Config:
     recorder_bytes: int = DEFAULT_RECORDER_BYTES  # rows waiting for the next flush
     deep_dive: bool = False
     deep_dive_every: int = DEFAULT_DEEP_DIVE_EVERY
+    fingerprint_every: int = 0  # numerics fingerprints every N steps (agent/fingerprint.py); 0: off
     start_relay: bool = True  # local rank 0 starts the node relay in-process
     # How long shutdown (and exit) may take to hand the last rows to the daemon; what is
     # not acknowledged by then stays in the relay's spool (traceml-daemon ingest).
@@ -82,6 +84,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fingerprint_every(value: object) -> int:
+    """N >= 0 (0: off); True or "on" picks the default interval."""
+    if isinstance(value, bool):
+        return DEFAULT_FINGERPRINT_EVERY if value else 0
+    text = str(value).strip().lower()
+    if text in _TRUE - {"1"}:
+        return DEFAULT_FINGERPRINT_EVERY
+    if text in _FALSE:
+        return 0
+    number = int(text)
+    if number < 0:
+        raise ValueError(f"must be 0 (off) or a positive step interval, got {number}")
+    return number
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -101,6 +118,7 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_RECORDER_BYTES": ("recorder_bytes", _positive_int),
     "TRACEML_DEEP_DIVE": ("deep_dive", _flag),
     "TRACEML_DEEP_DIVE_EVERY": ("deep_dive_every", _positive_int),
+    "TRACEML_FINGERPRINT_EVERY": ("fingerprint_every", _fingerprint_every),
     "TRACEML_NO_RELAY": ("start_relay", lambda s: not _flag(s)),
     "TRACEML_SHUTDOWN_S": ("shutdown_timeout_s", _positive_float),
     "TRACEML_CAPTURE_OUTPUT": ("capture_output", _flag),
@@ -147,6 +165,8 @@ def _coerce(attr: str, value: Any) -> Any:
         return str(host), _port(str(port))
     if attr == "relay_port":
         return _port(str(value))
+    if attr == "fingerprint_every":
+        return _fingerprint_every(value)
     if attr in ("buffer_bytes", "recorder_bytes", "deep_dive_every"):
         return _positive_int(str(int(value)))
     if attr in ("flush_s", "shutdown_timeout_s", "output_lines_per_s"):

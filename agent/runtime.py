@@ -198,6 +198,8 @@ class Runtime:
                     self.recorder,
                     deep_dive=self.config.deep_dive,
                     deep_dive_every=self.config.deep_dive_every,
+                    # Only when on: a tracer factory of a test or plug-in need not know the keyword.
+                    **({"fingerprint_every": self.config.fingerprint_every} if self.config.fingerprint_every else {}),
                     # The tracer warns once per kind with an unprefixed message; one reporter
                     # key per kind so every kind's first failure prints (with one prefix).
                     warn=lambda kind, msg: self.reporter.report(f"tracer:{kind}", msg),

@@ -56,6 +56,7 @@ class StepRowsMixin:
     _cuda: bool
     _rss: int | None
     _scalars: Any
+    _fingerprints: Any  # agent.fingerprint.Fingerprints, None when off
     _wall_offset_ns: int
     _created: int
     _timeout_ns: int
@@ -134,6 +135,13 @@ class StepRowsMixin:
                 self._emit("scalars", row)
         except Exception as exc:
             self._gate.fail("poll_scalars", exc)
+        fingerprints = self._fingerprints
+        if fingerprints is not None:
+            try:
+                for row in fingerprints.resolve(self._backend, self._timeout_ns, final):
+                    self._emit("fingerprints", row)
+            except Exception as exc:
+                self._gate.fail("poll_fingerprints", exc)
 
     @property
     def has_device_events(self) -> bool:
@@ -162,6 +170,8 @@ class StepRowsMixin:
         }
         if self._backend is not None:
             out["events_exhausted"] = int(getattr(self._backend, "exhausted", 0))
+        if self._fingerprints is not None:
+            out["fingerprints_dropped"] = self._fingerprints.dropped
         return out
 
     @property

@@ -164,7 +164,8 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         "_h2d_out", "_h2d_out_dev", "_recorder", "_gate", "_deep_dive", "_deep_every", "_timeout_ns",
         "_cuda", "_wall_offset_ns", "_created", "_none_state", "_next_model_id", "_emitted",
         "_dropped_seen", "_scalars", "_rss", "_undo", "_installed", "device_steps_dropped",
-        "device_steps_fallback", "device_steps_overflow", "_max_pending", "_backend_undecided", "__weakref__",
+        "device_steps_fallback", "device_steps_overflow", "_max_pending", "_backend_undecided", "_fingerprints",
+        "__weakref__",
     )
 
     def __init__(
@@ -177,6 +178,7 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         event_backend: EventBackend | None = _AUTO,
         event_timeout_s: float = 30.0,
         max_pending_steps: int | None = None,
+        fingerprint_every: int = 0,
     ) -> None:
         backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
         # A backend picked automatically is confirmed at the first traced model: a CPU job
@@ -236,6 +238,13 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         self.device_steps_dropped = 0  # steps whose events timed out: host timings used
         self.device_steps_fallback = 0  # steps that lost an event (pool exhausted): host timings used
         self.device_steps_overflow = 0  # steps over the pending bound before poll() came: host timings used
+        # Numerics fingerprints every N steps (agent.fingerprint); None when off: models then get
+        # the plain step context and a step runs nothing for them.
+        self._fingerprints: Any = None
+        if fingerprint_every > 0:
+            from agent.fingerprint import Fingerprints
+
+            self._fingerprints = Fingerprints(fingerprint_every, self._gate)
 
     # --------------------------------------------------------------- public API
 

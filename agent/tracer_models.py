@@ -42,6 +42,7 @@ class ModelsMixin:
     _undo: list[Callable[[], None]]
     _installed: bool
     _gate: ErrorGate
+    _fingerprints: Any  # agent.fingerprint.Fingerprints, None when off
     _emit: Callable[[str, dict[str, Any]], None]  # StepRowsMixin's
 
     def install(self) -> None:
@@ -131,7 +132,10 @@ class ModelsMixin:
         if self._backend_undecided:
             self._decide_backend()
         info = describe(model)
-        state = _StepContext(self, self._next_model_id, model, info)
+        if self._fingerprints is not None and model is not None:
+            state = self._fingerprinted_state(model, info)
+        else:
+            state = _StepContext(self, self._next_model_id, model, info)
         self._next_model_id += 1
         if model is not None:
             state.handles = time_forward(model, info, self)
@@ -171,6 +175,15 @@ class ModelsMixin:
                 state.handles.append(handle)
         except Exception as exc:
             self._gate.fail("fsdp2_attach", exc)
+
+    def _fingerprinted_state(self, model: torch.nn.Module, info: Any) -> ModelState:
+        """The step context that also fingerprints the model every N steps (agent.fingerprint)."""
+        from agent.fingerprint import FingerprintStepContext
+
+        state = FingerprintStepContext(self, self._next_model_id, model, info)
+        state._fingerprints = self._fingerprints
+        state._fp = self._fingerprints.for_model(self._next_model_id, model)
+        return state
 
     def _decide_backend(self) -> None:
         """Keep the automatic CUDA backend only if this process uses CUDA.

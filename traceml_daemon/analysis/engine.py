@@ -6,6 +6,7 @@ and the suppression rules live here and nowhere else. Stdlib only, no I/O.
 
 from __future__ import annotations
 
+from traceml_daemon.analysis.fingerprints import nonfinite_grad_verdicts, replica_verdicts
 from traceml_daemon.analysis.liveness import liveness_verdicts
 from traceml_daemon.analysis.memory import memory_verdicts
 from traceml_daemon.analysis.model import RunData, Verdict
@@ -32,6 +33,8 @@ def diagnose(run: RunData, policy: Policy | None = None) -> list[Verdict]:
     out += liveness_verdicts(run, policy.liveness)
     out += system_verdicts(run.systems, policy.system)
     out += nonfinite_verdicts(run.nonfinite, policy.numerics)
+    out += nonfinite_grad_verdicts(run.fingerprints, policy.numerics)
+    out += replica_verdicts(run.fingerprints, run.parallelism, policy.numerics)
     if check.enough_steps:
         eligible = [p for p in profs if p.n_window >= sp.min_steps]
         nodes = node_excesses(eligible, policy.stragglers)

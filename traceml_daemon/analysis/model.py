@@ -7,7 +7,10 @@ data module) build a ``RunData``; the engine turns it into ``Verdict`` s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from traceml_daemon.analysis.fingerprints import FingerprintEvidence
 
 PHASES = ("dataloader", "h2d", "forward", "backward", "optimizer", "wait")
 SEVERITIES = ("info", "warn", "critical")
@@ -82,6 +85,7 @@ class RunData:
     live: bool = False  # True when diagnosing a run in progress (enables HANG/RANK_STALLED)
     systems: list[NodeSystem] = field(default_factory=list)
     nonfinite: list[NonFinite] = field(default_factory=list)  # first non-finite scalar per rank and name
+    fingerprints: FingerprintEvidence | None = None  # numerics fingerprints' findings (analysis/fingerprints.py)
 
 
 @dataclass

@@ -92,6 +92,8 @@ class ComparePolicy:
 @dataclass(frozen=True)
 class NumericsPolicy:
     max_ranks_listed: int = 16  # ranks that went non-finite after the first, in the evidence
+    replica_min_ranks: int = 2  # REPLICA_DIVERGED: ranks with fingerprints needed to compare replicas
+    max_layers_listed: int = 8  # GRAD_NONFINITE: layers named in the evidence
 
 
 @dataclass(frozen=True)

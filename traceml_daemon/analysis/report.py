@@ -11,6 +11,8 @@ _SEVERITY_RANK = {"critical": 0, "warn": 1, "info": 2}
 # Within one severity: what blocks the run first, then what explains the most time.
 PRIORITY = (
     "LOSS_NONFINITE",
+    "GRAD_NONFINITE",
+    "REPLICA_DIVERGED",
     "HANG",
     "RANK_STALLED",
     "NODE_STRAGGLER",

@@ -22,8 +22,9 @@ import sys
 from typing import Any
 
 from traceml_daemon.analysis.diff import compare_runs, format_compare
+from traceml_daemon.analysis.fingerprints import compare_fingerprints, format_fingerprints
 from traceml_daemon.commands import exit_codes
-from traceml_daemon.store.read.whole_run import UnreadableRun, load_run, load_session
+from traceml_daemon.store.read.whole_run import UnreadableRun, load_fingerprints, load_run, load_session
 from traceml_wire.printable import printable_text
 
 __all__ = ["add_arguments", "load_run", "main", "split_side"]
@@ -83,7 +84,13 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         hint = " (`traceml-daemon validate --db` names the damage)" if exc.damaged else ""
         print(f"traceml-daemon compare: {exc}{hint}", file=sys.stderr)
         return exit_codes.VALIDATION if exc.damaged else exit_codes.IO_ERROR
+    try:
+        fp_a, fp_b = load_fingerprints(sides[0][0], ref_a), load_fingerprints(sides[1][0], ref_b)
+    except UnreadableRun as exc:
+        print(f"traceml-daemon compare: {exc}", file=sys.stderr)
+        return exit_codes.VALIDATION if exc.damaged else exit_codes.IO_ERROR
     result = compare_runs(run_a, run_b, scalars_a, scalars_b, ulp=args.ulp)
+    result["fingerprints"] = compare_fingerprints(fp_a, fp_b, args.ulp)
     for key, (path, _session), ref in (("a", sides[0], ref_a), ("b", sides[1], ref_b)):
         result[key].update(path=path, session=ref.session, attempt=ref.attempt)
     code = outcome(result, args.fail_on_regression)
@@ -116,7 +123,7 @@ def _with_runs(text: str, result: dict[str, Any]) -> str:
     """The comparison's text under a line per run (sessions are peer text: printable only)."""
     names = [f"{k.upper()}: {result[k]['path']} session {result[k]['session']} attempt {result[k]['attempt']}"
              for k in ("a", "b")]
-    return printable_text("\n".join(names)) + "\n" + text
+    return printable_text("\n".join(names)) + "\n" + text + "\n" + format_fingerprints(result["fingerprints"])
 
 
 if __name__ == "__main__":

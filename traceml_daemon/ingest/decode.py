@@ -273,6 +273,9 @@ class Ingestor:
             scalars = tables.get("scalars")
             if scalars is not None:
                 _keep_nan(scalars)
+            fingerprints = tables.get("fingerprints")
+            if fingerprints is not None:
+                _keep_nan_columns(fingerprints, _FINGERPRINT_NORMS)
             self._add_tables(plan, state.rank_id, sender, tables)
             if partials is not None:
                 self._add_partials(plan, state.rank_id, sender, seq, tables.get("steps"), partials)
@@ -476,6 +479,17 @@ def _keep_nan(scalars: list[Column]) -> None:
     if not any(map(math.isnan, filter(None, col) if None in col else col)):
         return
     scalars[_SCALAR_VALUE] = [NAN_TEXT if v is not None and v != v else v for v in col]
+
+
+_FINGERPRINT_NORMS = tuple(TABLE_COLUMNS["fingerprints"].index(c) for c in ("param_norm", "grad_norm"))
+
+
+def _keep_nan_columns(table: list[Column], at: tuple[int, ...]) -> None:
+    """``_keep_nan`` for the REAL columns at ``at`` (a NaN norm is a finding, not a missing value)."""
+    for i in at:
+        col = table[i]
+        if any(v != v for v in col if v is not None):
+            table[i] = [NAN_TEXT if v is not None and v != v else v for v in col]
 
 
 TELEMETRY_TABLES = tuple(TABLES)

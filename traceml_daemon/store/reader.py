@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, NonFinite, RankData, RunData
-from traceml_daemon.store.read import detail, samples, steps
+from traceml_daemon.store.read import detail, fingerprints, samples, steps
 from traceml_daemon.store.read.connect import StoreError, open_readonly, schema_version
 from traceml_daemon.store.read.delivery import AGENT_BATCH_DROPS, AGENT_ROW_DROPS, RELAY_BATCH_DROPS, delivery_counters
 from traceml_daemon.store.read.detail import fsdp2_memory
@@ -209,6 +209,7 @@ def load_run(
         live=live,
         systems=load_systems(conn, run, ranks=ranks),
         nonfinite=load_nonfinite(conn, ranks),
+        fingerprints=fingerprints.evidence(conn, run),
     )
 
 

@@ -12,7 +12,7 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -418,8 +418,23 @@ def _v10() -> list[str]:
     ]
 
 
+# ------------------------------------------- v11: numerics fingerprints
+# Per parameter tensor every N steps (agent/fingerprint.py): norms and the gradient's
+# non-finite count. Read per run (verdicts, compare) by step. Written out rather than
+# from the wire declaration, so this step stays what it was. IF NOT EXISTS: a fresh
+# database already has it from MIGRATIONS[0].
+
+
+def _v11() -> list[str]:
+    return [
+        "CREATE TABLE IF NOT EXISTS fingerprints (rank_id INTEGER NOT NULL, step INTEGER, model_id INTEGER, "
+        "idx INTEGER, layer TEXT, param_norm REAL, grad_norm REAL, grad_nonfinite INTEGER, shard INTEGER)",
+        f"CREATE INDEX IF NOT EXISTS fingerprints_by_group ON fingerprints (rank_id / {RANK_GROUP}, step, rank_id)",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10(), _v11()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",

@@ -190,7 +190,9 @@ def _tables(con: sqlite3.Connection, report: DbReport) -> Problem | None:
                 return Problem("tables", f"table {table}", "missing")
             continue
         have = set(_columns(con, table))
-        missing = [col for col, _ in spec if col not in have and table in _BASE_TABLES]
+        # Columns are checked at the current version only: a migration may have appended some.
+        current = report.schema_version == SCHEMA_VERSION
+        missing = [col for col, _ in spec if col not in have and current]
         if "rank_id" not in have or missing:
             return Problem("tables", f"table {table}", f"missing column(s) {', '.join(missing or ['rank_id'])}")
     return None

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from traceml_daemon.analysis.fingerprints import Series
 from traceml_daemon.analysis.model import PHASES, RankData, RunData
 from traceml_daemon.analysis.scalars import first_nonfinite, scalar_key
 from traceml_daemon.store.gc_pause import gc_paused
+from traceml_daemon.store.read import fingerprints
 from traceml_daemon.store.read.runs import RunRef, UnknownSession, resolve_run
 from traceml_daemon.store.schema import RANK_GROUP
 
@@ -126,8 +128,21 @@ def _load(con: sqlite3.Connection, path: str, wanted: str | None) -> tuple[RunRe
         (session, attempt),
     ):
         scalars.setdefault(scalar_key(name, global_rank), []).append((step, float(value)))
-    data = RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars))
+    data = RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars),
+                   fingerprints=fingerprints.evidence(con, run))
     return run, data, scalars
+
+
+def load_fingerprints(path: str, run: RunRef) -> Series:
+    """Every fingerprint of ``run`` (``load_session``'s), for compare's first divergent step and layer."""
+    con = _connect(path)
+    try:
+        with gc_paused():
+            return fingerprints.series(con, run)
+    except sqlite3.DatabaseError as exc:
+        raise UnreadableRun(f"{path}: cannot read ({exc})", _is_damage(exc)) from None
+    finally:
+        con.close()
 
 
 def _parallelism(con: sqlite3.Connection, session: str, attempt: int, hello: str) -> str:

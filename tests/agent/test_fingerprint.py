@@ -1,0 +1,135 @@
+"""Numerics fingerprints on CPU with real torch: values, order, non-finite counts, off costs nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from agent.capture.guard import ErrorGate
+from agent.fingerprint import Fingerprints, FingerprintStepContext, ModelFingerprint
+from agent.recorder import Recorder
+from agent.tracer import Tracer, _StepContext
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+@pytest.fixture()
+def fp_tracer() -> Iterator[tuple[Tracer, Recorder]]:
+    recorder = Recorder()
+    tracer = Tracer(recorder, event_backend=None, fingerprint_every=3)
+    tracer.install()
+    yield tracer, recorder
+    tracer.uninstall()
+
+
+def _train(tracer: Tracer, model: torch.nn.Module, steps: int, poison_at: int | None = None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    for step in range(steps):
+        with tracer.trace_step(model):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step == poison_at:
+                model[2].weight.grad[0, 1] = float("nan")  # type: ignore[index]
+                model[2].weight.grad[0, 2] = float("inf")  # type: ignore[index]
+            opt.step()
+
+
+def _rows(tracer: Tracer, recorder: Recorder) -> dict[str, list[object]]:
+    tracer.poll(final=True)
+    return recorder.drain().get("fingerprints", {})
+
+
+def test_every_nth_step_fingerprints_every_parameter_in_order(fp_tracer: tuple[Tracer, Recorder]) -> None:
+    tracer, recorder = fp_tracer
+    model = _model()
+    _train(tracer, model, 7)
+    rows = _rows(tracer, recorder)
+    names = [n for n, _ in model.named_parameters()]
+    assert rows["step"] == [s for s in (0, 3, 6) for _ in names]
+    assert rows["layer"][: len(names)] == names and rows["idx"][: len(names)] == list(range(len(names)))
+    # The last fingerprint holds the parameters as the optimizer left them, to float64 precision.
+    for i, p in enumerate(model.parameters()):
+        at = 2 * len(names) + i
+        assert rows["param_norm"][at] == torch.linalg.vector_norm(p.detach().double()).item()
+        assert rows["grad_norm"][at] == torch.linalg.vector_norm(p.grad.double()).item()  # type: ignore[union-attr]
+        assert rows["grad_nonfinite"][at] == 0 and rows["shard"][at] == 0
+    assert isinstance(tracer.models[id(model)], FingerprintStepContext)
+
+
+def test_non_finite_gradient_values_are_counted(fp_tracer: tuple[Tracer, Recorder]) -> None:
+    tracer, recorder = fp_tracer
+    model = _model()
+    _train(tracer, model, 4, poison_at=3)
+    rows = _rows(tracer, recorder)
+    at = [i for i, (s, layer) in enumerate(zip(rows["step"], rows["layer"], strict=True))
+          if s == 3 and layer == "2.weight"]
+    assert rows["grad_nonfinite"][at[0]] == 2
+    assert math.isnan(rows["grad_norm"][at[0]])  # type: ignore[arg-type]
+    others = [rows["grad_nonfinite"][i] for i, s in enumerate(rows["step"]) if s == 3 and i != at[0]]
+    assert others == [0, 0, 0]
+
+
+def test_a_parameter_without_gradient_has_none(fp_tracer: tuple[Tracer, Recorder]) -> None:
+    tracer, recorder = fp_tracer
+    model = _model()
+    model[0].bias.requires_grad_(False)  # type: ignore[union-attr]
+    _train(tracer, model, 1)
+    rows = _rows(tracer, recorder)
+    i = rows["layer"].index("0.bias")
+    assert rows["grad_norm"][i] is None and rows["grad_nonfinite"][i] is None
+    assert rows["param_norm"][i] is not None
+
+
+def test_a_step_that_raised_is_not_fingerprinted(fp_tracer: tuple[Tracer, Recorder]) -> None:
+    tracer, recorder = fp_tracer
+    model = _model()
+    with pytest.raises(RuntimeError), tracer.trace_step(model):
+        raise RuntimeError("user error")
+    assert _rows(tracer, recorder) == {}
+
+
+def test_off_by_default_the_plain_step_context() -> None:
+    tracer = Tracer(Recorder(), event_backend=None)
+    model = _model()
+    assert type(tracer.trace_step(model)) is _StepContext
+    assert "fingerprints_dropped" not in tracer.counters()
+    tracer.uninstall()
+
+
+def test_past_the_bound_the_oldest_is_dropped_and_counted() -> None:
+    fps = Fingerprints(1, ErrorGate(lambda kind, msg: None), max_pending=2)
+    fp = ModelFingerprint(0, _model())
+    for step in range(5):
+        fps.take(step, fp, None)
+    rows = fps.resolve(None, 10**9)
+    assert fps.dropped == 3 and sorted({r["step"] for r in rows}) == [3, 4]
+
+
+def test_one_ulp_on_one_element_changes_the_norm() -> None:
+    model = _model()
+    fp = ModelFingerprint(0, model)
+    before = fp.compute()
+    with torch.no_grad():
+        w = model[0].weight  # type: ignore[index]
+        w[3, 1] = torch.nextafter(w[3, 1], torch.tensor(math.inf))
+    after = fp.compute()
+    assert before is not None and after is not None
+    changed = [i for i, (a, b) in enumerate(zip(before[0].tolist(), after[0].tolist(), strict=True)) if a != b]
+    assert changed == [0]
+
+
+def test_the_setting_from_the_environment_and_init() -> None:
+    from agent.config import DEFAULT_FINGERPRINT_EVERY, load_config
+
+    assert load_config({})[0].fingerprint_every == 0
+    assert load_config({"TRACEML_FINGERPRINT_EVERY": "10"})[0].fingerprint_every == 10
+    assert load_config({}, {"fingerprint_every": True})[0].fingerprint_every == DEFAULT_FINGERPRINT_EVERY
+    config, problems = load_config({"TRACEML_FINGERPRINT_EVERY": "-1"})
+    assert config.fingerprint_every == 0 and "TRACEML_FINGERPRINT_EVERY" in problems[0]

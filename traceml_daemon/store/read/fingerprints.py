@@ -1,0 +1,98 @@
+"""A run's numerics fingerprints (``fingerprints`` table, agent/fingerprint.py), read-only.
+
+``evidence`` finds, in SQL, the two steps the verdicts need (the first where the
+ranks' fingerprints disagree, the first with non-finite gradients) and reads only
+their rows; ``series`` reads every row for ``compare``, adding FSDP2 shards' squares
+into each layer's full norm. A database from before fingerprints has no such table:
+both then return nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+from traceml_daemon.analysis.fingerprints import FingerprintEvidence, FingerprintRow, Series
+from traceml_daemon.store.read.connect import has_table
+from traceml_daemon.store.read.runs import RunRef
+
+_RUN = "FROM fingerprints f JOIN ranks r ON r.rank_id = f.rank_id WHERE r.session = ? AND r.attempt = ?"
+_ROW = ("SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f.layer, f.param_norm, f.grad_norm, "
+        "f.grad_nonfinite ")
+
+# A (step, layer) whose ranks disagree: more than one distinct value of any of the three, or a
+# value some ranks have and others lack. COUNT(DISTINCT) compares REALs exactly, bit for bit.
+_FIRST_MISMATCH = (
+    f"SELECT f.step {_RUN} AND f.step IS NOT NULL GROUP BY f.step, f.model_id, f.idx HAVING COUNT(*) > 1 AND ("
+    "COUNT(DISTINCT f.param_norm) > 1 OR COUNT(DISTINCT f.grad_norm) > 1 OR COUNT(DISTINCT f.grad_nonfinite) > 1 "
+    "OR COUNT(f.param_norm) NOT IN (0, COUNT(*)) OR COUNT(f.grad_norm) NOT IN (0, COUNT(*))) "
+    "ORDER BY f.step LIMIT 1"
+)
+
+
+def _float(x: object) -> float | None:
+    # A NaN norm is stored as the text 'NaN' (ingest/decode.py); float() reads it back.
+    return None if x is None else float(x)  # type: ignore[arg-type]
+
+
+def _row(values: tuple[object, ...]) -> FingerprintRow:
+    g, step, model_id, idx, layer, pn, gn, nf = values
+    return FingerprintRow(int(g), int(step), int(model_id or 0), int(idx or 0), str(layer or ""),  # type: ignore[call-overload]
+                          _float(pn), _float(gn), None if nf is None else int(nf))  # type: ignore[call-overload]
+
+
+def evidence(conn: sqlite3.Connection, run: RunRef) -> FingerprintEvidence | None:
+    """The rows REPLICA_DIVERGED and GRAD_NONFINITE look at; None when the run has no fingerprints."""
+    if not has_table(conn, "fingerprints"):
+        return None
+    args = (run.session, run.attempt)
+    (ranks,) = conn.execute(f"SELECT COUNT(DISTINCT f.rank_id) {_RUN}", args).fetchone()
+    if not ranks:
+        return None
+    found = FingerprintEvidence(ranks=int(ranks))
+    first = conn.execute(_FIRST_MISMATCH, args).fetchone()
+    if first is not None:
+        found.mismatch = [_row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ?", (*args, first[0]))]
+    (bad,) = conn.execute(f"SELECT MIN(f.step) {_RUN} AND f.grad_nonfinite > 0", args).fetchone()
+    if bad is not None:
+        found.nonfinite = [
+            _row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ? AND f.grad_nonfinite > 0", (*args, bad))
+        ]
+    return found
+
+
+def series(conn: sqlite3.Connection, run: RunRef) -> Series:
+    """Every fingerprint of the run by (model, position, layer, rank) and step; shards (FSDP2)
+    are added up across ranks into one full norm per layer (rank None)."""
+    out: Series = {}
+    if not has_table(conn, "fingerprints"):
+        return out
+    sharded: dict[tuple[int, int, str], dict[int, list[float | int | None]]] = {}
+    for g, step, model_id, idx, layer, pn, gn, nf, shard in conn.execute(
+        "SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f.layer, f.param_norm, f.grad_norm, "
+        f"f.grad_nonfinite, f.shard {_RUN} AND f.step IS NOT NULL ORDER BY f.step, r.global_rank, f.idx",
+        (run.session, run.attempt),
+    ):
+        key = (int(model_id or 0), int(idx or 0), str(layer or ""))
+        if shard:
+            acc = sharded.setdefault(key, {}).setdefault(step, [0.0, 0.0, 0])
+            _add_square(acc, 0, _float(pn))
+            _add_square(acc, 1, _float(gn))
+            acc[2] = None if acc[2] is None or nf is None else int(acc[2]) + int(nf)
+            continue
+        out.setdefault((*key, int(g)), {}).setdefault(step, (_float(pn), _float(gn), None if nf is None else int(nf)))
+    for key, steps in sharded.items():
+        out[(*key, None)] = {
+            step: (_root(acc[0]), _root(acc[1]), None if acc[2] is None else int(acc[2]))
+            for step, acc in steps.items()
+        }
+    return out
+
+
+def _add_square(acc: list[float | int | None], at: int, norm: float | None) -> None:
+    current = acc[at]
+    acc[at] = None if current is None or norm is None else float(current) + norm * norm
+
+
+def _root(x: float | int | None) -> float | None:
+    return None if x is None else math.sqrt(float(x))
