@@ -97,6 +97,20 @@ class NumericsPolicy:
 
 
 @dataclass(frozen=True)
+class RolloutPolicy:
+    min_sessions: int = 20  # fewer finalized sessions (of a phase): no rollout verdict
+    tail_ratio: float = 5.0  # p99 / p50 of a phase at least this: ROLLOUT_LONG_TAIL
+    tail_min_s: float = 0.05  # ... and p99 - p50 at least this (sub-ms jitter is no tail)
+    dominate_frac: float = 0.50  # a phase's median share of the session: ROLLOUT_PHASE_DOMINATES
+    reject_frac: float = 0.30  # sessions not accepted, of those finalized: ROLLOUT_REJECTIONS_HIGH
+    reject_critical_frac: float = 0.60
+    stuck_factor: float = 5.0  # pending longer than this x the p95 session total: ROLLOUT_SESSIONS_STUCK
+    stuck_min_s: float = 10.0  # ... and at least this long
+    starved_frac: float = 0.30  # trainer time waiting for rollouts: TRAINER_STARVED_BY_ROLLOUTS
+    max_listed: int = 10  # sessions or phases named in the evidence
+
+
+@dataclass(frozen=True)
 class Policy:
     steps: StepPolicy = field(default_factory=StepPolicy)
     stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)
@@ -105,6 +119,7 @@ class Policy:
     liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
     compare: ComparePolicy = field(default_factory=ComparePolicy)
     numerics: NumericsPolicy = field(default_factory=NumericsPolicy)
+    rollouts: RolloutPolicy = field(default_factory=RolloutPolicy)
 
 
 DEFAULT_POLICY = Policy()

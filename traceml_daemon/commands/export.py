@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from traceml_daemon import __version__
+from traceml_daemon.commands import export_lanes
 from traceml_daemon.store.read import spans as stored_spans
 from traceml_daemon.store.read import steps as stored_steps
 from traceml_daemon.store.read.connect import connect_file, table_names
+from traceml_daemon.store.read.rollouts import has_sessions, rank_sessions
 from traceml_daemon.store.read.runs import UnknownSession, resolve_run
 from traceml_daemon.store.reader import all_ranks
 from traceml_wire.tables import PHASES
@@ -345,7 +347,7 @@ def span_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
     pid = rank.rank_id
     events: list[dict[str, Any]] = []
     for stored in stored_spans.rank_spans(con, rank.rank_id):
-        name, start_ns, dur_ns, step, raw_args = _finite_row(stored, counts)
+        name, start_ns, dur_ns, step, raw_args, category, lane = _finite_row(stored, counts)
         if start_ns is None:
             continue
         ts = start_ns / 1e3 - base * 1e6
@@ -358,8 +360,8 @@ def span_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
         args = _span_args(raw_args)
         if step is not None:
             args.setdefault("step", step)
-        event: dict[str, Any] = {"name": name or "span", "cat": "span", "pid": pid, "tid": TID_SPANS,
-                                 "ts": ts, "args": args}
+        event: dict[str, Any] = {"name": name or "span", "cat": category or "span", "pid": pid, "tid": TID_SPANS,
+                                 "ts": ts, "args": args, "lane": lane}
         if dur_ns is not None and dur_ns < 0:  # never drawn: an instant flagged with the stored duration
             counts.negative_durations += 1
             args["negative_duration_ms"] = dur_ns / 1e6
@@ -370,6 +372,29 @@ def span_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: flo
             event.update(ph="X", dur=dur_ns / 1e3)
         events.append(event)
     return events
+
+
+def _place_spans(spans: list[dict[str, Any]]) -> dict[int, str]:
+    """Give each span the row of its lane (threads a row each, asyncio tasks packed into
+    few rows); returns the rows' names. Spans stored without a lane stay on TID_SPANS."""
+    bounds: dict[str | None, tuple[float, float]] = {}
+    for e in spans:
+        lane = e.get("lane")
+        end = e["ts"] + e.get("dur", 0.0)
+        have = bounds.get(lane)
+        bounds[lane] = (e["ts"], end) if have is None else (min(have[0], e["ts"]), max(have[1], end))
+    tids, names = export_lanes.span_rows({k: v for k, v in bounds.items() if k is not None})
+    for e in spans:
+        lane = e.pop("lane", None)
+        if lane is not None:
+            e["tid"] = tids[lane]
+    return names
+
+
+def _end_of_data(events: list[dict[str, Any]], base: float) -> float:
+    """Wall seconds of the last event drawn (closes sessions still pending)."""
+    ends = [e["ts"] + e.get("dur", 0.0) for e in events if "ts" in e]
+    return base + (max(ends) / 1e6 if ends else 0.0)
 
 
 def _span_args(raw: str | None) -> dict[str, Any]:
@@ -392,6 +417,7 @@ def write_chrome(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, o
     counts = TraceCounts()
     base = _base_ts(con, ranks)
     many_runs = len({(r.session, r.attempt) for r in ranks}) > 1
+    with_sessions = has_sessions(con)
     node_order = sorted({(r.node_rank is None, r.node_rank or 0) for r in ranks})
     metadata = {
         "tool": "traceml-daemon", "version": __version__, "db": str(db_path),
@@ -430,7 +456,16 @@ def write_chrome(con: sqlite3.Connection, ranks: list[Rank], steps: StepRange, o
             slices = [e for e in lane if e["ph"] == "X"]
             if slices:
                 window = (min(e["ts"] for e in slices), max(e["ts"] + e["dur"] for e in slices))
-            lane += span_events(rank, steps, con, base, window, counts)
+            spans = span_events(rank, steps, con, base, window, counts)
+            for tid, row_name in _place_spans(spans).items():
+                emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": row_name}})
+            lane += spans
+            stored = rank_sessions(con, rank.rank_id, rank.global_rank) if with_sessions else []
+            sessions, session_rows = export_lanes.session_events(stored, pid, base, _end_of_data(lane, base),
+                                                                 window if steps.bounded else None)
+            for tid, row_name in session_rows.items():
+                emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": row_name}})
+            lane += sessions
             for event in sorted(lane, key=_lane_order):
                 emit(event)
         metadata["non_finite_values"] = counts.non_finite

@@ -52,11 +52,11 @@ def add_run(con: sqlite3.Connection, ranks: list[tuple[int, int, int, str]], ste
                 " optimizer_ns, wait_ns, peak_bytes, rss_bytes) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rank_id, s, ts, STEP_NS, *(PHASE_NS[p] for p in PHASES), None, 1000 + s))
         # A span tagged with step 1, an untagged span during step 3, an instant in step 2.
-        con.execute("INSERT INTO spans VALUES (?, 'fetch', ?, ?, 1, ?)",
+        con.execute("INSERT INTO spans (rank_id, name, start_ns, dur_ns, step, args) VALUES (?, 'fetch', ?, ?, 1, ?)",
                     (rank_id, int((BASE_TS + 0.011) * 1e9), 2_000_000, json.dumps({"shard": g})))
-        con.execute("INSERT INTO spans VALUES (?, 'eval', ?, ?, NULL, NULL)",
+        con.execute("INSERT INTO spans (rank_id, name, start_ns, dur_ns, step, args) VALUES (?, 'eval', ?, ?, NULL, NULL)",
                     (rank_id, int((BASE_TS + 0.032) * 1e9), 3_000_000))
-        con.execute("INSERT INTO spans VALUES (?, 'checkpoint', ?, NULL, 2, 'not json')",
+        con.execute("INSERT INTO spans (rank_id, name, start_ns, dur_ns, step, args) VALUES (?, 'checkpoint', ?, NULL, 2, 'not json')",
                     (rank_id, int((BASE_TS + 0.025) * 1e9)))
 
 
@@ -297,9 +297,9 @@ def test_chrome_trace_is_strict_json_and_never_draws_a_negative_duration(
     con.execute("UPDATE steps SET rss_bytes=? WHERE step=1", (-inf,))
     con.execute("UPDATE steps SET forward_ns=-1000000 WHERE step=3")
     con.execute("UPDATE steps SET step_ns=-5000000 WHERE step=4")
-    con.execute("INSERT INTO spans VALUES (1, 'backwards', ?, -2000000, 1, ?)",
+    con.execute("INSERT INTO spans (rank_id, name, start_ns, dur_ns, step, args) VALUES (1, 'backwards', ?, -2000000, 1, ?)",
                 (int((BASE_TS + 0.012) * 1e9), '{"loss": NaN, "lr": Infinity}'))  # what json.dumps writes by default
-    con.execute("INSERT INTO spans VALUES (1, 'nowhere', ?, 1000, NULL, NULL)", (inf,))
+    con.execute("INSERT INTO spans (rank_id, name, start_ns, dur_ns, step, args) VALUES (1, 'nowhere', ?, 1000, NULL, NULL)", (inf,))
     con.commit()
     assert con.execute("SELECT typeof(step_ns) FROM steps WHERE step=2").fetchone() == ("real",)
     con.close()
