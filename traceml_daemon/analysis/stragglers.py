@@ -199,6 +199,10 @@ def _attribute_rank(e: Excess, policy: StragglerPolicy, phases_ok: bool) -> tupl
     return group, phase
 
 
+# The attribution the rank verdicts use, for views of one step (analysis/step_band.py).
+attribute_rank = _attribute_rank
+
+
 def _severity(e: Excess, policy: StragglerPolicy) -> str:
     return "critical" if e.excess_ms >= policy.critical_excess_frac * e.others_step_ms else "warn"
 
