@@ -1,0 +1,97 @@
+"""analysis/fingerprints (pure) and store/read/fingerprints on a real SQLite file."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from pathlib import Path
+
+from traceml_daemon.analysis.fingerprints import (
+    FingerprintEvidence,
+    FingerprintRow,
+    compare_fingerprints,
+    nonfinite_grad_verdicts,
+    replica_verdicts,
+)
+from traceml_daemon.analysis.policy import NumericsPolicy
+from traceml_daemon.store.migrate import migrate
+from traceml_daemon.store.read import fingerprints
+from traceml_daemon.store.read.runs import RunRef
+
+POLICY = NumericsPolicy()
+
+
+def row(rank: int, idx: int, param: float, grad: float | None = 1.0, nonfinite: int | None = 0,
+        step: int = 7) -> FingerprintRow:
+    return FingerprintRow(rank, step, 0, idx, f"l{idx}", param, grad, nonfinite)
+
+
+def test_the_ranks_off_the_majority_and_the_first_layer_are_named() -> None:
+    rows = [row(g, 0, 1.0) for g in range(4)] + [row(g, 1, 2.0) for g in range(4)]
+    rows[1 + 4] = row(1, 1, math.nextafter(2.0, 3.0))  # rank 1, layer 1: one ULP off
+    rows[3] = row(3, 0, 1.5)  # rank 3, layer 0
+    (v,) = replica_verdicts(FingerprintEvidence(ranks=4, mismatch=rows), "ddp", POLICY)
+    ev = v.evidence
+    assert (ev["step"], ev["layer"], ev["ranks"], ev["layers_differing"]) == (7, "l0", [1, 3], 2)
+    assert v.scope == {"global_rank": 3} and ev["majority"] is True and ev["majority_ranks"] == [0, 1, 2]
+    assert ev["found"]["3"]["param_norm"] == 1.5 and ev["expected"]["param_norm_hex"] == (1.0).hex()
+
+
+def test_two_ranks_have_no_majority_and_other_parallelisms_are_not_replicas() -> None:
+    found = FingerprintEvidence(ranks=2, mismatch=[row(0, 0, 1.0), row(1, 0, 1.25)])
+    (v,) = replica_verdicts(found, "ddp", POLICY)
+    assert v.evidence["majority"] is False and v.evidence["ranks"] == [1] and "(no majority)" in v.why
+    assert replica_verdicts(found, "fsdp2", POLICY) == [] and replica_verdicts(found, "single", POLICY) == []
+    assert replica_verdicts(None, "ddp", POLICY) == []
+
+
+def test_nan_equals_nan_between_replicas() -> None:
+    nan = float("nan")
+    found = FingerprintEvidence(ranks=2, mismatch=[row(0, 0, nan, nan, 3), row(1, 0, nan, nan, 3)])
+    assert replica_verdicts(found, "ddp", POLICY) == []
+
+
+def test_grad_nonfinite_names_the_first_rank_and_layer() -> None:
+    rows = [row(2, 3, 1.0, float("nan"), 5, step=9), row(1, 4, 1.0, float("inf"), 1, step=9),
+            row(1, 2, 1.0, float("nan"), 2, step=9)]
+    (v,) = nonfinite_grad_verdicts(FingerprintEvidence(ranks=3, nonfinite=rows), POLICY)
+    ev = v.evidence
+    assert (ev["step"], ev["global_rank"], ev["layer"], ev["grad_nonfinite"]) == (9, 1, "l2", 2)
+    assert ev["layers"] == ["l2", "l4"] and ev["ranks"] == [1, 2]
+
+
+def test_compare_takes_the_earliest_step_then_the_first_layer_within_the_tolerance() -> None:
+    a = {(0, 0, "l0", 0): {1: (1.0, 1.0, 0), 2: (1.0, 1.0, 0)}, (0, 1, "l1", 0): {1: (2.0, 1.0, 0), 2: (2.0, 1.0, 0)}}
+    b = {(0, 0, "l0", 0): {1: (1.0, 1.0, 0), 2: (math.nextafter(1.0, 2.0), 1.0, 0)},
+         (0, 1, "l1", 0): {1: (2.0, 1.0, 0), 2: (2.5, 1.0, 0)}}
+    d = compare_fingerprints(a, b)["first_divergence"]
+    assert (d["step"], d["layer"], d["ulp_distance"]) == (2, "l0", 1)
+    d = compare_fingerprints(a, b, ulp=1)["first_divergence"]
+    assert (d["step"], d["layer"], d["metric"]) == (2, "l1", "param_norm")
+    assert compare_fingerprints(a, a)["identical"] is True
+    b[(0, 0, "l0", 0)][1] = (1.0, 1.0, 4)  # only the non-finite count differs, at step 1
+    d = compare_fingerprints(a, b, ulp=10)["first_divergence"]
+    assert (d["step"], d["metric"]) == (1, "grad_nonfinite")
+
+
+def test_the_read_layer_adds_fsdp2_shards_squares_and_reads_nan(tmp_path: Path) -> None:
+    db = tmp_path / "fp.db"
+    migrate(str(db))
+    con = sqlite3.connect(db)
+    for g in (0, 1):
+        con.execute("INSERT INTO ranks (rank_id, sender, session, attempt, global_rank) VALUES (?, ?, 's', 0, ?)",
+                    (g + 1, f"s{g}", g))
+    rows = [(1, 5, 0, 0, "w", 3.0, 1.0, 0, 1), (2, 5, 0, 0, "w", 4.0, "NaN", 2, 1),
+            (1, 5, 0, 1, "b", 1.0, 1.0, 0, 0), (2, 5, 0, 1, "b", 1.0, 1.0, 0, 0)]
+    con.executemany("INSERT INTO fingerprints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    con.commit()
+    run = RunRef("s", 0)
+    series = fingerprints.series(con, run)
+    param, grad, nonfinite = series[(0, 0, "w", None)][5]
+    assert param == 5.0 and math.isnan(grad) and nonfinite == 2  # type: ignore[arg-type]
+    assert series[(0, 1, "b", 0)][5] == (1.0, 1.0, 0) and series[(0, 1, "b", 1)][5] == (1.0, 1.0, 0)
+    found = fingerprints.evidence(con, run)
+    assert found is not None and found.ranks == 2
+    assert {r.layer for r in found.mismatch} == {"w", "b"}  # shards differ: the first step with a disagreement
+    assert [(r.global_rank, r.layer) for r in found.nonfinite] == [(1, "w")]
+    con.close()
