@@ -45,6 +45,12 @@ class RankData:
     reserved_bytes: list[int | None] = field(default_factory=list)
     rss_bytes: list[int | None] = field(default_factory=list)
     step_ts: list[float | None] = field(default_factory=list)  # wall clock at step end
+    # FSDP2: collective time measured inside forward / backward, its part on HSDP's
+    # replicate dimension, device memory after forward (store.read.fsdp2; empty elsewhere).
+    fwd_comm_ns: list[int | None] = field(default_factory=list)
+    bwd_comm_ns: list[int | None] = field(default_factory=list)
+    replicate_comm_ns: list[int | None] = field(default_factory=list)
+    post_forward_bytes: list[int | None] = field(default_factory=list)
     status: RankStatus | None = None
     device_total_bytes: int | None = None  # device memory capacity when known
     # Steps stored for this rank when ``steps`` is a sample of them (a long run's summary

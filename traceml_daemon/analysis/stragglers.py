@@ -26,6 +26,14 @@ wait for. In a "single" run (no wrapper, no measured collective) nothing says
 anyone waits: the same gap stays STRAGGLER, "work not in any measured phase".
 Under a user's DDP comm hook the residual is taken out of busy time as if it
 were a measured wait, so host work there is not seen at all.
+
+Under FSDP2 the ranks wait for one another inside forward (all-gather) and
+backward (reduce-scatter, HSDP's all-reduce), so a rank waiting for a slow peer
+has phases as long as the peer's. Where the agent measured that collective time
+(``window.RankProfile.comm_ms``), busy time is the step less it and each phase is
+compared less the wait inside it (``work_ms``): the rank slow in its own compute
+is named, the ranks waiting for it are not, and the evidence carries each one's
+wait per phase (``collective_wait_ms``, ``others_collective_wait_ms``).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ATTRIBUTED = tuple(p for group in GROUPS.values() for p in group)
 # Not a phase group: the rank's own time in the wait slot, derived from the others (see above).
 WAIT = "wait"
+# FSDP2's measured collective wait, by where it happened (replicate: HSDP's all-reduce, in backward).
+COMM_KEYS = ("forward", "backward", "replicate")
 GROUP_VERDICT = {
     "input": "INPUT_STRAGGLER",
     "h2d": "H2D_STRAGGLER",
@@ -72,15 +82,23 @@ class Excess:
     # The rank's own wait-slot time above the others' median; None where the run's
     # ranks are not known to step together (WAIT_STRAGGLER does not apply).
     wait_slot_excess: float | None = None
+    # FSDP2: collective wait measured inside its phases (COMM_KEYS), and the others' median.
+    comm_ms: dict[str, float | None] | None = None
+    others_comm_ms: dict[str, float] | None = None
 
 
 def _group_ms(p: RankProfile, group: str) -> float:
-    return sum(p.phases_ms.get(ph) or 0.0 for ph in GROUPS[group])
+    return sum(_work(p, ph) for ph in GROUPS[group])
+
+
+def _work(p: RankProfile, phase: str) -> float:
+    """The phase's own work: less the collective wait measured inside it (FSDP2), else the phase."""
+    return (p.work_ms or p.phases_ms).get(phase) or 0.0
 
 
 def wait_slot_ms(p: RankProfile) -> float:
     """The rank's own time outside every measured phase: busy time less the phases' medians."""
-    return (p.busy_ms or 0.0) - sum(p.phases_ms.get(ph) or 0.0 for ph in ATTRIBUTED)
+    return (p.busy_ms or 0.0) - sum(_work(p, ph) for ph in ATTRIBUTED)
 
 
 def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy, coupled: bool = False) -> list[Excess]:
@@ -94,7 +112,8 @@ def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy, coupled: bo
     busy = others_median([p.busy_ms or 0.0 for p in ranks])
     step = others_median([p.step_ms or 0.0 for p in ranks])
     wait = others_median([p.phases_ms.get("wait") or 0.0 for p in ranks])
-    phase_ref = {ph: others_median([p.phases_ms.get(ph) or 0.0 for p in ranks]) for ph in ATTRIBUTED}
+    phase_ref = {ph: others_median([_work(p, ph) for p in ranks]) for ph in ATTRIBUTED}
+    comm_ref = {k: others_median([p.comm_ms.get(k) or 0.0 for p in ranks]) for k in COMM_KEYS}
     slot = [wait_slot_ms(p) for p in ranks] if coupled else []
     slot_ref = others_median(slot) if coupled else []
     out: list[Excess] = []
@@ -103,7 +122,7 @@ def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy, coupled: bo
         excess = (p.busy_ms or 0.0) - ref_busy
         if excess < max(policy.min_excess_ms, policy.min_excess_frac * ref_step):
             continue
-        phase_excess = {ph: (p.phases_ms.get(ph) or 0.0) - (phase_ref[ph][i] or 0.0) for ph in ATTRIBUTED}
+        phase_excess = {ph: _work(p, ph) - (phase_ref[ph][i] or 0.0) for ph in ATTRIBUTED}
         out.append(
             Excess(
                 [p.global_rank],
@@ -117,6 +136,8 @@ def rank_excesses(profs: list[RankProfile], policy: StragglerPolicy, coupled: bo
                 phase_excess,
                 {g: sum(phase_excess[ph] for ph in phs) for g, phs in GROUPS.items()},
                 slot[i] - (slot_ref[i] or 0.0) if coupled else None,
+                dict(p.comm_ms) if p.comm_ms else None,
+                {k: comm_ref[k][i] or 0.0 for k in COMM_KEYS} if p.comm_ms else None,
             )
         )
     out.sort(key=lambda e: -e.excess_ms)
@@ -141,7 +162,7 @@ def node_excesses(profs: list[RankProfile], policy: StragglerPolicy) -> list[Exc
     ref_busy = others_median(node_medians(lambda p: p.busy_ms))
     ref_step = others_median(node_medians(lambda p: p.step_ms))
     ref_wait = others_median(node_medians(lambda p: p.phases_ms.get("wait") or 0.0))
-    ref_phase = {ph: others_median(node_medians(lambda p, ph=ph: p.phases_ms.get(ph) or 0.0)) for ph in ATTRIBUTED}
+    ref_phase = {ph: others_median(node_medians(lambda p, ph=ph: _work(p, ph))) for ph in ATTRIBUTED}
     out: list[Excess] = []
     for i, k in enumerate(keys):
         members = nodes[k]
@@ -153,7 +174,7 @@ def node_excesses(profs: list[RankProfile], policy: StragglerPolicy) -> list[Exc
             continue
         # Per phase, the excess every member shares (its minimum over the node).
         phase_excess = {
-            ph: min(p.phases_ms.get(ph) or 0.0 for p in members) - (ref_phase[ph][i] or 0.0) for ph in ATTRIBUTED
+            ph: min(_work(p, ph) for p in members) - (ref_phase[ph][i] or 0.0) for ph in ATTRIBUTED
         }
         out.append(
             Excess(
@@ -219,6 +240,10 @@ def _evidence(e: Excess, phase: str | None) -> dict[str, object]:
     }
     if phase is not None:
         ev["phase"] = phase
+    if e.comm_ms is not None and e.others_comm_ms is not None:
+        # Phase times include the collectives; phase_excess_ms compares them without.
+        ev["collective_wait_ms"] = {k: round_ms(v) for k, v in e.comm_ms.items()}
+        ev["others_collective_wait_ms"] = {k: round_ms(v) for k, v in e.others_comm_ms.items()}
     return ev
 
 
@@ -230,6 +255,9 @@ def _gap_text(e: Excess, phase: str | None, policy: StragglerPolicy) -> str:
     else:
         lead = f"+{e.excess_ms:.1f} ms of work not in any measured phase"
     text = f"{lead} (busy {e.busy_ms:.1f} ms vs {e.others_busy_ms:.1f} ms)"
+    if e.comm_ms is not None and e.others_comm_ms is not None and phase in ("forward", "backward"):
+        text += (f"; of its {phase}, {e.comm_ms.get(phase) or 0.0:.1f} ms was waiting in collectives, "
+                 f"{e.others_comm_ms.get(phase, 0.0):.1f} ms on the others")
     if e.wait_ms is not None and e.others_wait_ms is not None and e.others_wait_ms - e.wait_ms > policy.wait_gap_min_ms:
         text += f"; the others wait {e.others_wait_ms - e.wait_ms:.1f} ms more for it in the collective"
     return text

@@ -29,6 +29,12 @@ class RankProfile:
     step_ms: float | None = None
     phases_ms: dict[str, float | None] = field(default_factory=dict)
     busy_ms: float | None = None  # the rank's own work: step minus wait under DDP (what sync hides), else step
+    # Phases less the collective wait measured inside them (FSDP2), what a straggler is named
+    # by; the same as ``phases_ms`` where nothing was measured inside a phase.
+    work_ms: dict[str, float | None] = field(default_factory=dict)
+    # FSDP2's measured collective wait per step (medians): forward, backward, replicate
+    # (HSDP's all-reduce, inside backward); empty where not measured.
+    comm_ms: dict[str, float | None] = field(default_factory=dict)
     captured: dict[str, bool] = field(default_factory=dict)  # phase non-zero on some window step
     bad_clock_steps: int = 0  # phases summing past the step, negative durations, time going back
 
@@ -77,8 +83,33 @@ def profile_rank(
         prof.busy_ms = _ms(median(s - (w or 0) for s, w in zip(step, wait, strict=True) if s is not None))
     else:
         prof.busy_ms = prof.step_ms
+    prof.work_ms = dict(prof.phases_ms)
+    _fsdp2_wait(prof, rank, lo, hi, step, phases)
     prof.bad_clock_steps = _bad_clock_steps(step, list(phases.values()), _slice(rank.step_ts, lo, hi), clock_slack)
     return prof
+
+
+def _fsdp2_wait(
+    prof: RankProfile, rank: RankData, lo: int, hi: int, step: list[int | None], phases: dict[str, list[int | None]]
+) -> None:
+    """Under FSDP2 with measured collectives: busy time and phase work net of the wait inside them.
+
+    The waiting happens inside forward (all-gather) and backward (all-gather, reduce-scatter,
+    HSDP all-reduce), so a rank waiting for a slow peer has as long a phase as the peer;
+    without the measured wait the victims would look as slow as the culprit."""
+    fwd = _slice(rank.fwd_comm_ns, lo, hi)
+    bwd = _slice(rank.bwd_comm_ns, lo, hi)
+    if all(v is None for v in fwd) and all(v is None for v in bwd):
+        return
+    prof.comm_ms = {
+        "forward": _ms(median(fwd)),
+        "backward": _ms(median(bwd)),
+        "replicate": _ms(median(_slice(rank.replicate_comm_ns, lo, hi))),
+    }
+    prof.busy_ms = _ms(median(s - (f or 0) - (b or 0) for s, f, b in zip(step, fwd, bwd, strict=True) if s is not None))
+    for phase, comm in (("forward", fwd), ("backward", bwd)):
+        prof.work_ms[phase] = _ms(median(max(0, p - (c or 0)) for p, c in zip(phases[phase], comm, strict=True)
+                                         if p is not None))
 
 
 def _bad_clock_steps(

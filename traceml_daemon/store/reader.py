@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml_daemon.analysis.model import PHASES, NodeSystem, NonFinite, RankData, RunData
-from traceml_daemon.store.read import detail, fingerprints, samples, steps
+from traceml_daemon.store.read import detail, fingerprints, fsdp2, samples, steps
 from traceml_daemon.store.read.connect import StoreError, open_readonly, schema_version
 from traceml_daemon.store.read.delivery import AGENT_BATCH_DROPS, AGENT_ROW_DROPS, RELAY_BATCH_DROPS, delivery_counters
 from traceml_daemon.store.read.detail import fsdp2_memory
@@ -202,9 +202,13 @@ def load_run(
     if budget_rows is not None and last_n is None:
         cap = max(SAMPLE_MIN_STEPS, budget_rows // max(1, len(ranks)))
         counts = steps.step_counts(conn, [r.rank_id for r in ranks])
+    datas = [load_rank_data(conn, r, last_n, cap, counts.get(r.rank_id)) for r in ranks]
+    parallelism = run_parallelism(conn, run, (r.parallelism for r in ranks))
+    if parallelism == "fsdp2":
+        fsdp2.fill_steps(conn, [(r.rank_id, d) for r, d in zip(ranks, datas, strict=True)])
     return RunData(
-        ranks=[load_rank_data(conn, r, last_n, cap, counts.get(r.rank_id)) for r in ranks],
-        parallelism=run_parallelism(conn, run, (r.parallelism for r in ranks)),
+        ranks=datas,
+        parallelism=parallelism,
         now=time.time() if live else None,
         live=live,
         systems=load_systems(conn, run, ranks=ranks),
@@ -264,4 +268,6 @@ def load_window_run(
     # keeps the read bounded at thousands of ranks of 8 GPUs each.
     systems = load_systems(conn, run, last_n=window, ranks=rows)
     parallelism = run_parallelism(conn, run, (r.parallelism for r in rows))
+    if parallelism == "fsdp2":
+        fsdp2.fill_steps(conn, list(ranks.items()))
     return RunData(ranks=out, parallelism=parallelism, now=now if live else None, live=live, systems=systems)
