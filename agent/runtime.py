@@ -152,10 +152,10 @@ class Runtime:
         self._relay_starter = relay_starter or _default_relay_starter
         self.relay: Any = None
         self.recorder = Recorder(config.recorder_bytes)
-        # Spans and rollout sessions queue on their own bounded buffers (a quarter of the
-        # recorder's budget each), turned into rows on the sender thread.
+        # Spans and rollout sessions queue on their own bounded buffers (a quarter and a half
+        # of the recorder's budget), turned into rows on the sender thread.
         self.spans = _spans.SpanSink(config.recorder_bytes // 4, self.reporter)
-        self.sessions = _sessions.SessionBook(config.recorder_bytes // 4, self.reporter)
+        self.sessions = _sessions.SessionBook(config.recorder_bytes // 2, self.reporter)
         self._tracer_factory = tracer_factory or _default_tracer_factory
         self._tracer: Any = None
         self._tracer_built = False  # built (or failed to build): read without the lock

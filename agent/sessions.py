@@ -6,7 +6,9 @@ name) and ends with ``mark_finalized`` and a status. Both ids live in context
 variables, so concurrent asyncio tasks each see their own.
 
 The calling thread only updates the open session and appends a tuple to a
-bounded deque; the sender thread turns the tuples into the ``rollout_sessions``
+bounded deque, twice a session: when it is registered (so a pending session is
+seen live, with its age) and when it is finalized, carrying its phase
+executions. The sender thread turns the tuples into the ``rollout_sessions``
 and ``session_phases`` tables at flush (``SessionBook.take``). Open sessions are
 bounded too: past ``max_open`` a new session is not tracked and is counted.
 """
@@ -30,7 +32,7 @@ STATUSES = ("accepted", "rejected", "failed", "dropped")
 PENDING = "pending"
 MAX_PAYLOAD_CHARS = 4096
 MAX_TEXT = 256  # status, reason and phase names are cut here
-EVENT_BYTES = 240  # one queued event, about (the tuple, its ints and payload refs)
+EVENT_BYTES = 320  # one queued event, about (the tuple, its ints, a session's phase tuples)
 DEFAULT_MAX_OPEN = 1 << 18
 
 _perf = time.perf_counter_ns
@@ -42,19 +44,21 @@ _SESSION: ContextVar[int | None] = ContextVar("traceml_session", default=None)
 # Set by agent.runtime at import: the current book, initializing the agent implicitly.
 resolve_book: Callable[[], SessionBook | None] = lambda: None  # noqa: E731
 
-# Event kinds in the queue.
+# Event kinds in the queue: a session registered, a session finalized (with its phases).
 _SUBMIT = 0
-_PHASE = 1
 _FINAL = 2
 
 
 class _Session:
-    __slots__ = ("task_id", "submit", "open")
+    __slots__ = ("task_id", "submit", "open", "done")
 
     def __init__(self, task_id: int, submit: int) -> None:
         self.task_id = task_id
         self.submit = submit
         self.open: list[_Exec] = []  # phase executions started and not ended
+        # Ended executions (phase, start, end, start payload, end payload): they travel with
+        # the finalization, one queued event a session instead of one a phase.
+        self.done: list[tuple[Any, ...]] = []
 
 
 class _Exec:
@@ -143,7 +147,7 @@ class SessionBook:
             sess.open.remove(ex)
         except ValueError:
             return
-        self._add((_PHASE, sid, ex.phase, ex.start, end, ex.payload, payload))
+        sess.done.append((ex.phase, ex.start, end, ex.payload, payload))
 
     def phase_end_by_name(self, sid: int, phase: str, payload: dict[str, Any] | None) -> None:
         sess = self.sessions.get(sid)
@@ -170,11 +174,12 @@ class SessionBook:
             if not members:
                 self.tasks.pop(sess.task_id, None)
         unended = len(sess.open)
+        phases = sess.done
         for ex in sess.open:
-            self._add((_PHASE, sid, ex.phase, ex.start, None, ex.payload, None))
+            phases.append((ex.phase, ex.start, None, ex.payload, None))
         self.phases_unended += unended
         self.sessions_finalized += 1
-        self._add((_FINAL, sid, sess.task_id, sess.submit, now, status, reason, unended))
+        self._add((_FINAL, sid, sess.task_id, sess.submit, now, status, reason, unended, phases))
         return True
 
     def finalize_task(self, task_id: int, status: str, reason: str | None) -> int:
@@ -205,23 +210,20 @@ class SessionBook:
             c: [] for c in ("session_id", "phase", "start_ts", "end_ts", "start_payload", "end_payload")
         }
         for e in events:
-            kind = e[0]
-            if kind == _PHASE:
-                _, sid, phase, start, end, p0, p1 = e
-                phases["session_id"].append(sid)
-                phases["phase"].append(phase)
-                phases["start_ts"].append((start + offset) / 1e9)
-                phases["end_ts"].append(None if end is None else (end + offset) / 1e9)
-                phases["start_payload"].append(_json(p0))
-                phases["end_payload"].append(_json(p1))
-                continue
-            if kind == _SUBMIT:
+            if e[0] == _SUBMIT:
                 _, sid, task, submit = e
                 if sid in finals:
                     continue  # finalized before this flush: its final row says it all
                 status, reason, final, unended = PENDING, None, None, None
             else:
-                _, sid, task, submit, final, status, reason, unended = e
+                _, sid, task, submit, final, status, reason, unended, done = e
+                for phase, start, end, p0, p1 in done:
+                    phases["session_id"].append(sid)
+                    phases["phase"].append(phase)
+                    phases["start_ts"].append((start + offset) / 1e9)
+                    phases["end_ts"].append(None if end is None else (end + offset) / 1e9)
+                    phases["start_payload"].append(_json(p0))
+                    phases["end_payload"].append(_json(p1))
             sess["task_id"].append(task)
             sess["session_id"].append(sid)
             sess["status"].append(status)
