@@ -44,6 +44,8 @@ class Config:
     shutdown_timeout_s: float = 2.0
     capture_output: bool = True  # tee the rank's stdout/stderr to the daemon (agent/output_capture.py)
     output_lines_per_s: float = 20_000.0  # lines captured beyond this rate are dropped and counted
+    profile_steps: tuple[int, ...] = ()  # torch.profiler on these steps (agent/profiler.py)
+    profile_dir: str = "traceml_profiles"  # where the trace files go (traceml-daemon launch: next to the db)
 
 
 def parse_host_port(text: str, default: tuple[str, int]) -> tuple[str, int]:
@@ -123,7 +125,15 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_SHUTDOWN_S": ("shutdown_timeout_s", _positive_float),
     "TRACEML_CAPTURE_OUTPUT": ("capture_output", _flag),
     "TRACEML_OUTPUT_LINES_PER_S": ("output_lines_per_s", _positive_float),
+    "TRACEML_PROFILE_STEPS": ("profile_steps", lambda s: _profile_steps(s)),
+    "TRACEML_PROFILE_DIR": ("profile_dir", lambda s: s.strip() or "traceml_profiles"),
 }
+
+def _profile_steps(text: str) -> tuple[int, ...]:
+    from agent.profiler import parse_steps
+
+    return parse_steps(text)
+
 
 # init() keyword aliases that read better than the field names
 _ALIASES = {"disable": "disabled"}
@@ -167,6 +177,8 @@ def _coerce(attr: str, value: Any) -> Any:
         return _port(str(value))
     if attr == "fingerprint_every":
         return _fingerprint_every(value)
+    if attr == "profile_steps":
+        return _profile_steps(value if isinstance(value, str) else ",".join(str(int(v)) for v in value))
     if attr in ("buffer_bytes", "recorder_bytes", "deep_dive_every"):
         return _positive_int(str(int(value)))
     if attr in ("flush_s", "shutdown_timeout_s", "output_lines_per_s"):

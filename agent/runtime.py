@@ -156,6 +156,7 @@ class Runtime:
         # of the recorder's budget), turned into rows on the sender thread.
         self.spans = _spans.SpanSink(config.recorder_bytes // 4, self.reporter)
         self.sessions = _sessions.SessionBook(config.recorder_bytes // 2, self.reporter)
+        self.profiler = self._make_profiler() if config.profile_steps else None
         self._tracer_factory = tracer_factory or _default_tracer_factory
         self._tracer: Any = None
         self._tracer_built = False  # built (or failed to build): read without the lock
@@ -217,6 +218,8 @@ class Runtime:
             self._fail_open = getattr(tracer, "FAIL_OPEN_CONTEXTS", False) is True
             self._tracer = tracer
             self.spans.tracer = tracer  # spans carry the step in progress
+            if self.profiler is not None and tracer is not None:
+                tracer._rare = True  # the out-of-line step branch calls the profiler while armed
             self._tracer_built = True
         builder = self._builder
         if builder is not None and tracer is not None:
@@ -236,6 +239,8 @@ class Runtime:
         # First the console gets its descriptors back and the pipes are read out (a traceback
         # printed at exit), so the final flush below carries the last lines.
         self._stop_output(min(0.5, timeout / 4))
+        if self.profiler is not None:
+            self.profiler.close()  # a profile still open (the last step listed): written before the last flush
         # The relay forwards our last batch upstream, so it needs a slice too.
         sender_share = timeout * (0.75 if self.relay is not None else 1.0)
         self.sender.stop(sender_share)
@@ -338,6 +343,15 @@ class Runtime:
         if self._tracer is not None:
             builder.set_tracer(self._tracer)
         return builder
+
+    def _make_profiler(self) -> Any:
+        from agent.profiler import StepProfiler
+
+        return StepProfiler(
+            self.config.profile_steps, self.config.profile_dir, label=self.identity.session,
+            rank=lambda: self.identity.global_rank, on_written=lambda row: self.recorder.add("profiles", row),
+            reporter=self.reporter,
+        )
 
     def _extra_tables(self) -> dict[str, dict[str, list[Any]]]:
         tables = self.sessions.take()
@@ -459,6 +473,7 @@ def init(
         runtime = Runtime(config, env=env, tracer_factory=tracer_factory, relay_starter=relay_starter)
         runtime.start()
         current = runtime
+        _arm_profiler(runtime.profiler)
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
@@ -498,6 +513,7 @@ def shutdown(timeout: float | None = None) -> None:
     with _lock:
         runtime, current = current, None
         fast_models = None
+        _arm_profiler(None)
     if runtime is not None:
         runtime.stop(runtime.config.shutdown_timeout_s if timeout is None else timeout)
 
@@ -521,7 +537,16 @@ def _after_fork_in_child() -> None:
     current = None
     fast_models = None
     _forked_child = True
+    _arm_profiler(None)
     reporter.after_fork()
+
+
+def _arm_profiler(profiler: Any) -> None:
+    """Hand the step tracer and spans their profiler (None: no profile_steps, or gone)."""
+    from agent import profiler as _profiler
+
+    _profiler.active = profiler
+    _spans.profiled_span = None if profiler is None else profiler.span_hook
 
 
 def _current_spans() -> _spans.SpanSink | None:

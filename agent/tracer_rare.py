@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from agent import profiler as _profiler
 from agent.capture.deep_dive import DeepDive
 from agent.capture.events import EventBackend
 from agent.capture.guard import ErrorGate
@@ -54,6 +55,10 @@ class RareBranchesMixin:
         if state.leaves is not None and state.steps % self._deep_every == 0:
             self._start_deep(rec, state)
         self._rare = self._backend is not None
+        prof = _profiler.active
+        if prof is not None and prof.armed:
+            prof.at_step(state.steps)  # starts or stops torch.profiler at this step boundary
+            self._rare = self._rare or prof.armed
 
     def _take_fetch(self, rec: StepRecord) -> None:
         """No fetch from the loader that fed the last step, but others: the latest feeds this one.

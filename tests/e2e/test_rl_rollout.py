@@ -14,6 +14,7 @@ from tests.support.procs import EXAMPLES, DaemonProcess, base_env, cli, free_por
 
 pytestmark = pytest.mark.slow
 STEPS = 10
+PROFILED = 3  # torch.profiler on this trainer step
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     report = tmp / "counts"
     daemon = DaemonProcess(db).start()
     try:
-        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()))
+        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()),
+                       TRACEML_PROFILE_STEPS=str(PROFILED), TRACEML_PROFILE_DIR=str(tmp / "profiles"))
         done = torchrun(EXAMPLES / "rl_rollout.py", ["--steps", str(STEPS), "--report", str(report)], nproc=2,
                         env=env, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -112,3 +114,18 @@ def test_chrome_export_has_spans_by_lane_and_session_rows(run: dict[str, Any]) -
     assert gens and all(e["cat"] == "io" for e in gens)
     names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert any(n.startswith("tasks ") for n in names) and any(n.startswith("sessions ") for n in names)
+
+
+def test_the_listed_step_is_profiled_on_every_rank_and_listed(run: dict[str, Any]) -> None:
+    done = cli("summary", "--db", str(run["db"]), "--json", "--no-files")
+    assert done.returncode == 0, done.stderr
+    s = json.loads(done.stdout)
+    profiles = sorted(s["profiles"], key=lambda p: p["rank"])
+    assert [(p["rank"], p["step"], p["steps"]) for p in profiles] == [(0, PROFILED, 1), (1, PROFILED, 1)]
+    for p in profiles:
+        path = Path(p["path"])
+        assert path.parent == run["tmp"] / "profiles" and path.is_file()
+        assert json.loads(path.read_text())["traceEvents"]  # a torch.profiler Chrome trace
+    assert s["rollout_sessions"] > 0
+    text = cli("summary", "--db", str(run["db"]), "--no-files")
+    assert "torch.profiler traces" in text.stdout and "traceml-daemon sessions" in text.stdout, text.stdout

@@ -151,3 +151,12 @@ def trainer_wait(conn: sqlite3.Connection, ranks: Iterable[tuple[int, int | None
         ).fetchone()
         waiting += (span_ns or 0) / 1e9
     return steps, max(0.0, busy), waiting
+
+
+def session_rows(conn: sqlite3.Connection, ranks: Iterable[tuple[int, int | None]]) -> int:
+    """Rollout session rows stored for the ranks (registrations and finalizations)."""
+    total = 0
+    for rank_id, _ in ranks:
+        (n,) = conn.execute(f"SELECT count(*) FROM rollout_sessions WHERE {rank_is('?1')}", (rank_id,)).fetchone()
+        total += n
+    return total
