@@ -410,6 +410,8 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
     code = 1
     try:
         env.update(TRACEML_DAEMON=upstream, TRACEML_RELAY_PORT=str(plan.relay_port or _free_port()))
+        # torch.profiler traces (TRACEML_PROFILE_STEPS) land beside the database, unless told otherwise.
+        env.setdefault("TRACEML_PROFILE_DIR", str(logs / "traceml_profiles"))
         if plan.token:
             env["TRACEML_TOKEN"] = plan.token
         cmd = [sys.executable, "-c", _TORCHRUN, *plan.rendezvous, *plan.script]

@@ -59,6 +59,8 @@ RAW_TABLES: tuple[tuple[str, str, float], ...] = (
     ("gpu", "ts", 1.0),
     ("spans", "start_ns", 1e9),
     ("output", "ts", 1.0),
+    ("rollout_sessions", "submit_ts", 1.0),
+    ("session_phases", "start_ts", 1.0),
 )
 
 
