@@ -72,7 +72,10 @@ def create_db(path: str) -> sqlite3.Connection:
 
 
 def _insert(con: sqlite3.Connection, table: str, rows: list[tuple[object, ...]]) -> None:
-    cols = ("rank_id",) + columns(table)
+    # Rows state the table's first columns; columns appended later (schema.LATER_COLUMNS,
+    # absent from the v1 tables written here) stay NULL, as in a database of before them.
+    width = len(rows[0]) - 1 if rows else len(columns(table))
+    cols = ("rank_id",) + columns(table)[:width]
     marks = ", ".join("?" for _ in cols)
     con.executemany(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks})", rows)
 

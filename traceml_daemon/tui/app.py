@@ -39,11 +39,13 @@ from traceml_daemon.tui.model import Analysis, DatabaseMissing, Snapshot, with_a
 from traceml_daemon.tui.screens import (
     HelpScreen,
     JumpScreen,
+    LogsScreen,
     NodeScreen,
     OverviewScreen,
     Pick,
     RankScreen,
     RunsScreen,
+    StepScreen,
     VerdictsScreen,
 )
 from traceml_daemon.tui.widgets import clean
@@ -73,6 +75,8 @@ class TraceApp(App[None]):
         Binding("slash", "jump", "Jump"),
         Binding("r", "runs", "Runs"),
         Binding("question_mark", "help", "Help"),
+        Binding("i", "inspect", "Inspect step", show=False),
+        Binding("l", "logs", "Logs", show=False),
     ]
 
     def __init__(
@@ -317,6 +321,26 @@ class TraceApp(App[None]):
                     title="runs", markup=False)
         self._analysis_next = 0.0  # findings for the new run at the next refresh
         self.request_refresh()
+
+    # ---- evidence: one step across the ranks, the ranks' output
+
+    def action_inspect(self) -> None:
+        """The step inspector: a rank's newest step from its screen, the step where the first
+        rank verdict shows most from the findings, else the newest step every rank recorded."""
+        screen, run = self.screen, self.data.run
+        if run is None or not isinstance(screen, OverviewScreen | NodeScreen | RankScreen | VerdictsScreen):
+            return
+        rank = screen.global_rank if isinstance(screen, RankScreen) else None
+        verdict_rank = None
+        if isinstance(screen, VerdictsScreen) and self.last_snapshot is not None:
+            ranked = [v.scope["global_rank"] for v in self.last_snapshot.overview.verdicts if "global_rank" in v.scope]
+            verdict_rank = ranked[0] if ranked else None
+        self.push_screen(StepScreen(self.db_path, run, rank=rank, verdict_rank=verdict_rank))
+
+    def action_logs(self) -> None:
+        run = self.data.run
+        if run is not None and not isinstance(self.screen, LogsScreen | StepScreen):
+            self.push_screen(LogsScreen(self.db_path, run, reload_s=2.0 * self.refresh_s))
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

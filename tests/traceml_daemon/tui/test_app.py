@@ -21,6 +21,7 @@ from traceml_daemon.tui.screens import (
     VerdictsScreen,
 )
 from traceml_daemon.tui.widgets import RankGrid
+from traceml_wire.tables import columns
 
 
 @asynctest
@@ -214,10 +215,9 @@ async def test_poll_reads_only_after_a_commit(tui_db: str) -> None:
         await settle(pilot)
         assert app.refresh_count == count  # nothing committed: no read
         rw = sqlite3.connect(tui_db)
-        rw.executemany(
-            "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")",
-            [step_row(g + 1, g, 200, None) for g in range(4)],
-        )
+        rows = [step_row(g + 1, g, 200, None) for g in range(4)]
+        names = ("rank_id", *columns("steps"))[: len(rows[0])]  # the columns a step_row states
+        rw.executemany(f"INSERT INTO steps ({', '.join(names)}) VALUES ({','.join('?' * len(names))})", rows)
         rw.commit()
         rw.close()
         app._last_cost_s = 0.0

@@ -18,6 +18,9 @@ TraceML — keys
   v              findings and delivery
   /              jump: r12 or 12 (rank), n3 (node)
   r              runs: pick the run shown (runs started later are announced)
+  i              step inspector: every rank at one step (from findings: the
+                 first rank verdict's step); arrows step, g go to a step
+  l              logs: the ranks' output folded across ranks, errors first
   ?              this help
   q              quit
 
