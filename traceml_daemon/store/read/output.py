@@ -17,6 +17,11 @@ from traceml_daemon.store.schema import rank_is
 
 OutputRow = tuple[Any, ...]  # (ts, stream, seq, line)
 
+# A stored line is read at most this long (the agent cuts at 4096 characters; a hostile
+# peer's longer text is cut here, before any reader holds or prints it).
+MAX_LINE_CHARS = 4096
+_LINE = f"substr(line, 1, {MAX_LINE_CHARS})"
+
 
 def has_output(conn: sqlite3.Connection) -> bool:
     """The database has the output table (schema v8 or later)."""
@@ -26,7 +31,7 @@ def has_output(conn: sqlite3.Connection) -> bool:
 def rank_output(conn: sqlite3.Connection, rank_id: int, last_n: int) -> list[OutputRow]:
     """The rank's newest ``last_n`` lines, oldest first."""
     rows = conn.execute(
-        f"SELECT ts, stream, seq, line FROM output WHERE {rank_is('?1')} ORDER BY ts DESC, seq DESC LIMIT ?2",
+        f"SELECT ts, stream, seq, {_LINE} FROM output WHERE {rank_is('?1')} ORDER BY ts DESC, seq DESC LIMIT ?2",
         (rank_id, last_n),
     ).fetchall()
     rows.reverse()
@@ -36,7 +41,7 @@ def rank_output(conn: sqlite3.Connection, rank_id: int, last_n: int) -> list[Out
 def output_between(conn: sqlite3.Connection, rank_id: int, t0: float, t1: float, limit: int) -> list[OutputRow]:
     """At most ``limit`` of the rank's lines read with ``t0 <= ts <= t1``, oldest first."""
     return conn.execute(
-        f"SELECT ts, stream, seq, line FROM output WHERE {rank_is('?1')} AND ts BETWEEN ?2 AND ?3 "
+        f"SELECT ts, stream, seq, {_LINE} FROM output WHERE {rank_is('?1')} AND ts BETWEEN ?2 AND ?3 "
         "ORDER BY ts, seq LIMIT ?4",
         (rank_id, t0, t1, limit),
     ).fetchall()
@@ -50,7 +55,7 @@ def output_after(conn: sqlite3.Connection, rowid: int, limit: int) -> Iterator[t
     """(rowid, rank_id, ts, stream, seq, line) of at most ``limit`` lines stored after
     ``rowid``, in rowid order (a search of the rowid, whatever the table's size)."""
     return conn.execute(
-        "SELECT rowid, rank_id, ts, stream, seq, line FROM output WHERE rowid>? ORDER BY rowid LIMIT ?",
+        f"SELECT rowid, rank_id, ts, stream, seq, {_LINE} FROM output WHERE rowid>? ORDER BY rowid LIMIT ?",
         (rowid, limit),
     )
 
