@@ -113,7 +113,10 @@ def _step_rows(rank: int, first_step: int, n: int, rng: random.Random) -> list[d
         rows.append({"step": first_step + i, "ts": now, "step_ns": fwd + bwd + opt + dl + wait,
                      "dataloader_ns": dl, "h2d_ns": 200_000, "forward_ns": fwd, "backward_ns": bwd,
                      "optimizer_ns": opt, "wait_ns": wait, "comm_ns": wait, "peak_bytes": 8 << 30,
-                     "reserved_bytes": 10 << 30, "rss_bytes": 3 << 30, "model_id": 0})
+                     "reserved_bytes": 10 << 30, "rss_bytes": 3 << 30, "model_id": 0,
+                     # a DDP agent's rows: the FSDP2 columns travel empty (not measured)
+                     "fwd_comm_ns": None, "bwd_comm_ns": None, "replicate_comm_ns": None,
+                     "post_forward_bytes": None})
     return rows
 
 

@@ -17,16 +17,14 @@ SCHEMA_VERSION = 11
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
 
-def telemetry_table_ddl(name: str, version: int | None = None) -> str:
-    """``version``: the table as that schema version made it (without LATER_COLUMNS added after)."""
-    later = LATER_COLUMNS.get(name, {}) if version is not None else {}
-    cols = ", ".join(f"{col} {_SQL_TYPES[kind]}" for col, kind in TABLES[name] if later.get(col, 0) <= (version or 0))
+def telemetry_table_ddl(name: str) -> str:
+    cols = ", ".join(f"{col} {_SQL_TYPES[kind]}" for col, kind in TABLES[name])
     return f"CREATE TABLE IF NOT EXISTS {name} (rank_id INTEGER NOT NULL, {cols})"
 
 
-# Columns a later step appended to a table of v1 (ALTER TABLE ADD COLUMN: no rebuild of a
-# large table), by the version that added them. MIGRATIONS[0] leaves them out, since a
-# fresh database runs every step; validation expects them from that version on.
+# Columns a later step added to a table of v1, by the version that added them: a database
+# not migrated yet lacks them (readers leave them out of their common reads; validation
+# expects them from that version on).
 LATER_COLUMNS: dict[str, dict[str, int]] = {
     "steps": {"fwd_comm_ns": 10, "bwd_comm_ns": 10, "replicate_comm_ns": 10, "post_forward_bytes": 10},
     "models": {"shard_degree": 10, "replicate_degree": 10},
@@ -71,7 +69,7 @@ _INDEXES = [
 
 
 def _v1() -> list[str]:
-    return _BASE + [telemetry_table_ddl(name, 1) for name in TABLES] + _INDEXES
+    return _BASE + [telemetry_table_ddl(name) for name in TABLES] + _INDEXES
 
 
 # ---------------------------------------------------------------- v2: history
@@ -406,15 +404,35 @@ def _v9() -> list[str]:
 # ------------------------------------------- v10: FSDP2 collective wait and mesh
 # steps gain the FSDP2 collective time measured inside forward and backward, its part on
 # HSDP's replicate dimension and the device memory after forward; models the mesh's
-# shard and replicate sizes. Appended (LATER_COLUMNS): old rows read NULL, not measured.
+# shard and replicate sizes (LATER_COLUMNS). Rebuilt, not altered: MIGRATIONS[0] makes
+# today's wire tables, so a fresh database already has the columns and an ALTER would
+# fail there. Rows keep their rowids (readers tail steps by rowid); old rows read NULL,
+# not measured. The tables are written out, so this step stays what it was.
+
+_V10_TABLES = {
+    "steps": ("step INTEGER, ts REAL, step_ns INTEGER, dataloader_ns INTEGER, h2d_ns INTEGER, forward_ns INTEGER, "
+              "backward_ns INTEGER, optimizer_ns INTEGER, wait_ns INTEGER, comm_ns INTEGER, peak_bytes INTEGER, "
+              "reserved_bytes INTEGER, rss_bytes INTEGER, model_id INTEGER",
+              "fwd_comm_ns INTEGER, bwd_comm_ns INTEGER, replicate_comm_ns INTEGER, post_forward_bytes INTEGER"),
+    "models": ("model_id INTEGER, name TEXT, parallelism TEXT, n_modules INTEGER, param_bytes INTEGER, "
+               "local_shard_bytes INTEGER, estimated_full_bytes INTEGER",
+               "shard_degree INTEGER, replicate_degree INTEGER"),
+}
 
 
 def _v10() -> list[str]:
-    return [
-        f"ALTER TABLE {table} ADD COLUMN {col} {_SQL_TYPES[dict(TABLES[table])[col]]}"
-        for table, cols in LATER_COLUMNS.items()
-        for col, version in cols.items()
-        if version == 10
+    out: list[str] = []
+    for table, (old, new) in _V10_TABLES.items():
+        kept = "rowid, rank_id, " + ", ".join(col.split()[0] for col in old.split(", "))
+        out += [
+            f"CREATE TABLE {table}_v10 (rank_id INTEGER NOT NULL, {old}, {new})",
+            f"INSERT INTO {table}_v10 ({kept}) SELECT {kept} FROM {table}",
+            f"DROP TABLE {table}",  # drops its index with it
+            f"ALTER TABLE {table}_v10 RENAME TO {table}",
+        ]
+    return out + [
+        f"CREATE INDEX steps_by_group ON steps (rank_id / {RANK_GROUP}, {GROUPED_INDEXES['steps']}, rank_id)",
+        "CREATE INDEX models_by_rank ON models (rank_id, model_id)",
     ]
 
 

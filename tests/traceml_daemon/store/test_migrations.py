@@ -15,6 +15,7 @@ from traceml_daemon.ingest.pipeline import StoreWriter
 from traceml_daemon.store.migrate import migrate
 from traceml_daemon.store.reader import latest_run, load_rank_data, load_ranks
 from traceml_daemon.store.schema import (
+    _V10_TABLES,
     GROUPED_INDEXES,
     HISTORY_LEVELS,
     LATEST_SLOT,
@@ -143,7 +144,6 @@ def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: 
     assert run is not None
     before = {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)}
     steps_before = _dump(conn, "steps")
-    cols_before = _columns(conn, "steps")  # later steps append columns (NULL in these rows)
     conn.close()
     assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
@@ -155,7 +155,7 @@ def test_v3_per_rank_indexes_become_per_group_and_reads_are_unchanged(tmp_path: 
         # An expression column has no name: (rank_id / RANK_GROUP, *order, rank_id).
         assert columns == [None, *order.split(", "), "rank_id"]
     assert f"/ {RANK_GROUP}" in conn.execute("SELECT sql FROM sqlite_master WHERE name='steps_by_group'").fetchone()[0]
-    assert _dump(conn, "steps", cols_before) == steps_before
+    assert _dump(conn, "steps") == steps_before
     assert {r.rank_id: load_rank_data(conn, r).step_ns for r in load_ranks(conn, run)} == before
     assert all(len(v) == 1500 for v in before.values())
     conn.close()
@@ -236,19 +236,32 @@ def test_a_fresh_database_reaches_v9_with_the_new_span_columns(tmp_path: Path) -
     conn.close()
 
 
-def test_v9_steps_and_models_gain_the_fsdp2_columns_and_old_rows_read_null(tmp_path: Path) -> None:
+def test_v9_steps_and_models_gain_the_fsdp2_columns_keeping_rows_and_rowids(tmp_path: Path) -> None:
     db = tmp_path / "v9.db"
-    conn = _database_at(db, 9)  # MIGRATIONS[0] makes steps and models as v1 had them
+    conn = _database_at(db, 9)
+    # MIGRATIONS[0] makes today's wire tables: put back steps and models as v9 had them.
+    for table, (old, _) in _V10_TABLES.items():
+        names = ", ".join(col.split()[0] for col in old.split(", "))
+        conn.execute(f"CREATE TABLE {table}_v9 (rank_id INTEGER NOT NULL, {old})")
+        conn.execute(f"INSERT INTO {table}_v9 (rowid, rank_id, {names}) SELECT rowid, rank_id, {names} FROM {table}")
+        conn.execute(f"DROP TABLE {table}")
+        conn.execute(f"ALTER TABLE {table}_v9 RENAME TO {table}")
+    conn.execute(f"CREATE INDEX steps_by_group ON steps (rank_id / {RANK_GROUP}, step, rank_id)")
     conn.execute("INSERT INTO models (rank_id, model_id, name, parallelism) VALUES (1, 0, 'Net', 'fsdp2')")
+    conn.execute("DELETE FROM steps WHERE step % 2 = 1")  # rowids with gaps: kept as they are
+    before = conn.execute("SELECT rowid, rank_id, step, step_ns, forward_ns FROM steps ORDER BY rowid").fetchall()
     conn.close()
     assert migrate(str(db)) == SCHEMA_VERSION
     conn = ro(db)
     for table in ("steps", "models"):
         assert [row[1] for row in conn.execute(f"PRAGMA table_info({table})")] == ["rank_id", *columns(table)]
+    assert conn.execute("SELECT rowid, rank_id, step, step_ns, forward_ns FROM steps ORDER BY rowid").fetchall() == before
     assert conn.execute("SELECT count(*) FROM steps WHERE fwd_comm_ns IS NOT NULL OR bwd_comm_ns IS NOT NULL "
                         "OR replicate_comm_ns IS NOT NULL OR post_forward_bytes IS NOT NULL").fetchone()[0] == 0
-    assert conn.execute("SELECT count(*) FROM steps").fetchone()[0] == 4500
-    assert conn.execute("SELECT shard_degree, replicate_degree FROM models").fetchall() == [(None, None)]
+    assert conn.execute("SELECT shard_degree, replicate_degree, name FROM models").fetchall() == [(None, None, "Net")]
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE tbl_name IN ('steps', 'models') "
+                                          "AND type='index'")}
+    assert indexes == {"steps_by_group", "models_by_rank"}
     conn.close()
 
 
