@@ -41,14 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Run:
     """The run's ranks and a way to stream its sessions (one rank in memory at a time)."""
 
-    def __init__(self, conn: Any, run: RunRef | None) -> None:
+    def __init__(self, conn: Any, run: RunRef | None, newest: int | None = None) -> None:
         self.conn = conn
         self.run = run
+        self.newest = newest  # a live view reads each rank's newest sessions only
         ranks = reader.load_ranks(conn, run) if run is not None else []
         self.ranks = [(r.rank_id, r.global_rank) for r in ranks]
 
     def sessions(self) -> Iterator[SessionRecord]:
-        return run_sessions(self.conn, self.ranks)
+        return run_sessions(self.conn, self.ranks, self.newest)
 
 
 def load_summary(run: Run, now: float, policy: Policy | None = None) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from traceml_daemon.tui.screens import (
     StepScreen,
     VerdictsScreen,
 )
+from traceml_daemon.tui.screens.rollouts import RolloutsScreen
 from traceml_daemon.tui.widgets import clean
 
 DEFAULT_DB = "traceml.db"
@@ -75,6 +76,7 @@ class TraceApp(App[None]):
         Binding("slash", "jump", "Jump"),
         Binding("r", "runs", "Runs"),
         Binding("question_mark", "help", "Help"),
+        Binding("o", "rollouts", "Rollouts", show=False),
         Binding("i", "inspect", "Inspect step", show=False),
         Binding("l", "logs", "Logs", show=False),
     ]
@@ -341,6 +343,12 @@ class TraceApp(App[None]):
         run = self.data.run
         if run is not None and not isinstance(self.screen, LogsScreen | StepScreen):
             self.push_screen(LogsScreen(self.db_path, run, reload_s=2.0 * self.refresh_s))
+
+    def action_rollouts(self) -> None:
+        """An RL job's rollout sessions (traceml_daemon/tui/screens/rollouts.py)."""
+        run = self.data.run
+        if run is not None and not isinstance(self.screen, RolloutsScreen):
+            self.push_screen(RolloutsScreen(self.db_path, run, reload_s=2.0 * self.refresh_s))
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -72,13 +72,22 @@ def has_sessions(conn: sqlite3.Connection) -> bool:
     return has_table(conn, "rollout_sessions")
 
 
-def rank_sessions(conn: sqlite3.Connection, rank_id: int, global_rank: int | None) -> list[SessionRecord]:
-    """Every session of one rank, by session id, with its phase executions."""
+def rank_sessions(conn: sqlite3.Connection, rank_id: int, global_rank: int | None,
+                  newest: int | None = None) -> list[SessionRecord]:
+    """Every session of one rank (``newest``: only its newest that many session rows), by
+    session id, with its phase executions."""
     records: dict[int, SessionRecord] = {}
+    after = -1
+    if newest is not None:
+        row = conn.execute(
+            f"SELECT session_id FROM rollout_sessions WHERE {rank_is('?1')} ORDER BY session_id DESC LIMIT 1 "
+            "OFFSET ?2", (rank_id, newest),
+        ).fetchone()
+        after = row[0] if row is not None and row[0] is not None else -1
     for task_id, sid, status, reason, submit, final, open_phases in conn.execute(
         "SELECT task_id, session_id, status, reason, submit_ts, finalized_ts, open_phases FROM rollout_sessions "
-        f"WHERE {rank_is('?1')} ORDER BY session_id, rowid",
-        (rank_id,),
+        f"WHERE {rank_is('?1')} AND session_id > ?2 ORDER BY session_id, rowid",
+        (rank_id, after),
     ):
         if sid is None:
             continue
@@ -89,8 +98,8 @@ def rank_sessions(conn: sqlite3.Connection, rank_id: int, global_rank: int | Non
                                      open_phases)
     for sid, phase, start, end, p0, p1 in conn.execute(
         "SELECT session_id, phase, start_ts, end_ts, start_payload, end_payload FROM session_phases "
-        f"WHERE {rank_is('?1')} ORDER BY session_id, rowid",
-        (rank_id,),
+        f"WHERE {rank_is('?1')} AND session_id > ?2 ORDER BY session_id, rowid",
+        (rank_id, after),
     ):
         rec = records.get(sid)
         if rec is None or phase is None:
@@ -102,12 +111,14 @@ def rank_sessions(conn: sqlite3.Connection, rank_id: int, global_rank: int | Non
     return list(records.values())
 
 
-def run_sessions(conn: sqlite3.Connection, ranks: Iterable[tuple[int, int | None]]) -> Iterator[SessionRecord]:
-    """The sessions of the ranks given as (rank_id, global_rank), rank by rank."""
+def run_sessions(conn: sqlite3.Connection, ranks: Iterable[tuple[int, int | None]],
+                 newest: int | None = None) -> Iterator[SessionRecord]:
+    """The sessions of the ranks given as (rank_id, global_rank), rank by rank (``newest``:
+    each rank's newest that many session rows only)."""
     if not has_sessions(conn):
         return
     for rank_id, global_rank in ranks:
-        yield from rank_sessions(conn, rank_id, global_rank)
+        yield from rank_sessions(conn, rank_id, global_rank, newest)
 
 
 @dataclass(frozen=True)
