@@ -1441,11 +1441,12 @@ GOOD_STEP_COLUMNS = columns("steps")
 
 
 def good_row(salt: int, step: int) -> tuple[Any, ...]:
-    """The exact steps row a good sender sends for ``step`` (``GOOD_STEP_COLUMNS`` order)."""
+    """The exact steps row a good sender sends for ``step`` (``GOOD_STEP_COLUMNS`` order).
+    ``salt`` holds the run's start in whole seconds (see ``_start_good``)."""
     base = (step * 7919 + salt * 104_729) % 1_000_000
     return (
         step,
-        1_700_000_000.0 + step / 4 + salt,  # exact in a double
+        float(salt) + step / 4,  # exact in a double
         20_000_000 + base,
         2_000_000 + base % 1000,
         100_000 + base % 77,
@@ -1868,7 +1869,13 @@ class Fuzzer:
         assert self.daemon is not None
         timeout = self.config.reply_timeout_s
 
+        # The salt starts at the run's wall clock: the good rows' ts are then current, and the
+        # daemon's default retention by age (which a hostile row with ts=inf anchors at now)
+        # never has a right to them; 2023-dated rows were deleted in slow runs, acked.
+        started = int(time.time())
+
         def sender(name: str, rank: int, salt: int) -> GoodSender:
+            salt += started
             identity = {"session": GOOD_SESSION, "attempt": 0, "global_rank": rank, "local_rank": rank, "node_rank": 0,
                         "world_size": 4, "local_world_size": 4, "nnodes": 1, "hostname": "good", "pid": 100 + rank}
             return GoodSender(f"{GOOD_SESSION}/a0/n0/r{rank}/{name}", salt, identity)
