@@ -20,6 +20,7 @@ from traceml_daemon.analysis.report import format_verdicts
 from traceml_daemon.analysis.stats import rank_ranges
 from traceml_daemon.commands.summary_rollouts import entries as rollout_entries
 from traceml_daemon.commands.summary_rollouts import render as rollout_lines
+from traceml_daemon.commands import summary_fsdp2
 from traceml_daemon.store import reader
 from traceml_daemon.store.gc_pause import gc_paused
 from traceml_daemon.store.read import output
@@ -55,7 +56,7 @@ def _is_live(run: RunData) -> bool:
 
 def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any]:
     memory: dict[str, Any] = {"peak_bytes": _max(data.peak_bytes), "rss_bytes": _max(data.rss_bytes)}
-    fsdp2 = reader.fsdp2_memory(conn, row.rank_id)
+    fsdp2 = summary_fsdp2.memory_entry(conn, row.rank_id, data)
     if fsdp2 is not None:
         memory["fsdp2"] = fsdp2
     return {
@@ -73,6 +74,8 @@ def _rank_entry(conn: Any, row: reader.RankRow, data: RankData) -> dict[str, Any
         "step_ms_median": _median_ms(data.step_ns),
         "phases_ms_median": {p: _median_ms(data.phases_ns.get(p, [])) for p in PHASES},
         "memory": memory,
+        # FSDP2: per step, time waiting in its collectives (forward, backward, shard, replicate)
+        "collective_wait_ms_median": summary_fsdp2.wait_entry(data),
     }
 
 
@@ -202,6 +205,7 @@ def render_text(summary: dict[str, Any]) -> str:
         for r in summary["ranks"]
     ]
     lines += _table(headers, rows)
+    lines += summary_fsdp2.render(summary["ranks"])
     lines += ["", "Nodes (worst rank = most busy time: step minus all-reduce wait)"]
     lines += _table(
         ["node", "host", "ranks", "step ms", "busy ms", "worst rank", "worst busy ms"],
