@@ -156,10 +156,13 @@ def trainer_wait(conn: sqlite3.Connection, ranks: Iterable[tuple[int, int | None
         steps += n or 0
         busy += ((step_ns or 0) - (dl_ns or 0)) / 1e9
         waiting += (dl_ns or 0) / 1e9
-        (span_ns,) = conn.execute(
-            f"SELECT sum(dur_ns) FROM spans WHERE {rank_is('?1')} AND category='scheduler' AND dur_ns > 0",
-            (rank_id,),
-        ).fetchone()
+        try:
+            (span_ns,) = conn.execute(
+                f"SELECT sum(dur_ns) FROM spans WHERE {rank_is('?1')} AND category='scheduler' AND dur_ns > 0",
+                (rank_id,),
+            ).fetchone()
+        except sqlite3.OperationalError:  # a database from before schema v9: spans have no category
+            span_ns = 0
         waiting += (span_ns or 0) / 1e9
     return steps, max(0.0, busy), waiting
 
