@@ -138,13 +138,22 @@ def _entry(e: dict[str, Any]) -> Folded:
     return Folded(e["text"], e["kind"], e["stream"], e["first_ts"], e["last_ts"], e["count"], set(e["ranks"]))
 
 
-def follow(db_path: str, sel: Selection, keep: Callable[[str], bool], as_json: bool,
-           write: Callable[[str], None], stop: Callable[[], bool] = lambda: False) -> None:
-    """Print the lines stored from now on, folded per poll, until ``stop()`` or Ctrl-C."""
+def start_rowid(db_path: str) -> int:
+    """Where ``follow`` starts: the newest line stored now (read before the first report,
+    so a line stored meanwhile is printed twice at worst, never missed)."""
     conn = reader.open_readonly(db_path)
     try:
-        last = output.last_output_rowid(conn) if output.has_output(conn) else 0
-        seen = data_version(conn)
+        return output.last_output_rowid(conn) if output.has_output(conn) else 0
+    finally:
+        conn.close()
+
+
+def follow(db_path: str, sel: Selection, keep: Callable[[str], bool], as_json: bool,
+           write: Callable[[str], None], last: int, stop: Callable[[], bool] = lambda: False) -> None:
+    """Print the lines stored after rowid ``last``, folded per poll, until ``stop()`` or Ctrl-C."""
+    conn = reader.open_readonly(db_path)
+    try:
+        seen = -1  # the first poll reads whatever came after ``last``
         while not stop():
             time.sleep(FOLLOW_POLL_S)
             version = data_version(conn)
@@ -152,11 +161,15 @@ def follow(db_path: str, sel: Selection, keep: Callable[[str], bool], as_json: b
                 continue
             seen = version
             lines: list[OutputLine] = []
+            read = 0
             for rowid, rank_id, ts, stream, seq, line in output.output_after(conn, last, FOLLOW_BATCH):
                 last = rowid
+                read += 1
                 global_rank = sel.ranks.get(rank_id)
                 if global_rank is not None:
                     lines.append(OutputLine(global_rank, ts, stream, seq, line))
+            if read == FOLLOW_BATCH:
+                seen = -1  # more are waiting: read on at the next poll
             if lines:
                 entries = folded_lines(lines, keep)
                 if as_json:
@@ -176,6 +189,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         print("traceml-daemon logs: --max-lines must be at least 1", file=sys.stderr)
         return 2
     try:
+        last = start_rowid(args.db) if args.follow else 0
         rep = report(args.db, args.session, args.rank, args.grep, args.max_lines)
         if args.json and not args.follow:
             json.dump(rep, sys.stdout, indent=2)
@@ -199,7 +213,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-            follow(args.db, sel, matcher(args.grep), args.json, write)
+            follow(args.db, sel, matcher(args.grep), args.json, write, last)
     except (reader.StoreError, LogsError) as exc:
         print(f"traceml-daemon logs: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ Slurm), so the ranks torchrun stops after the failure do not take it with them."
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -102,3 +103,27 @@ def test_the_summary_names_the_first_rank_that_failed_with_its_traceback(failed_
     assert failure["last_lines"][-1] == failure["exception"]
     text = cli("summary", "--db", str(db), "--no-files").stdout
     assert "First failure: rank 2: RuntimeError: rank 2 lost its data shard at step 20" in text
+
+
+def test_follow_prints_lines_stored_after_it_started(failed_job: tuple[Path, Any], tmp_path: Path) -> None:
+    db, _ = failed_job
+    copy = tmp_path / "copy.db"
+    src = sqlite3.connect(db)
+    src.backup(dst := sqlite3.connect(copy))  # a database this test may write to, as a daemon would
+    src.close()
+    ranks = dict(dst.execute("SELECT global_rank, rank_id FROM ranks").fetchall())
+    follow = subprocess.Popen([sys.executable, "-m", "traceml_daemon", "logs", "--db", str(copy), "--follow", "--json",
+                               "--grep", "late|training"], env=base_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert follow.stdout is not None
+        # The report of what is stored comes first: once it is out, follow has its start.
+        assert json.loads(follow.stdout.readline())["text"] == "training: epoch 0 in progress"
+        dst.executemany("INSERT INTO output (rank_id, ts, stream, seq, line) VALUES (?, ?, 'stdout', ?, ?)",
+                        [(ranks[g], 2e9, 10_000, "late line") for g in (0, 1)] + [(ranks[3], 2e9, 10_001, "other")])
+        dst.commit()
+        entry = json.loads(follow.stdout.readline())
+        assert (entry["text"], entry["ranks"], entry["count"]) == ("late line", [0, 1], 2)
+    finally:
+        follow.terminate()
+        follow.wait(30)
+        dst.close()
