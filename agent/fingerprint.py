@@ -4,19 +4,20 @@ With ``agent.init(fingerprint_every=N)`` (or ``TRACEML_FINGERPRINT_EVERY=N``) a
 traced model's step context is a ``FingerprintStepContext``: at the exit of
 every N-th step (after the optimizer ran) it takes, per parameter tensor in
 ``named_parameters`` order, the L2 norm of the parameter, the L2 norm of its
-gradient and the count of non-finite gradient values. Three fused
-``torch._foreach_norm`` calls (accumulated in float64) and one ``_foreach_mul``
-do it for every tensor at once; on a GPU the results are copied to pinned host
-memory without blocking and read on the sender thread once an event says the
-copy completed, like the step's CUDA events: nothing synchronizes the device.
+gradient and the count of non-finite gradient values. One fused
+``torch._foreach_norm`` (accumulated in float64) takes every norm; on a GPU a
+second one over ``grad * 0`` counts the non-finite values, on the host only
+gradients whose norm is non-finite are counted (``_nonfinite_counts``). On a
+GPU the results are copied to pinned host memory without blocking and read on
+the sender thread once an event says the copy completed, like the step's CUDA
+events: nothing synchronizes the device.
 Off, models get the plain step context: not one bytecode more per step.
 
 Why these numbers: under DDP every rank's parameters are bitwise equal after
 each step, so equal fingerprints are expected and one ULP of drift shows; two
-runs of the same seed compare step by step and layer by layer. The count of
-non-finite values is the count of NaN in ``grad * 0`` (0 for every finite
-value), read by an order-0 norm. Under FSDP2 the local shard is fingerprinted
-(``shard`` = 1) and the daemon adds the squares of the ranks' norms.
+runs of the same seed compare step by step and layer by layer. Under FSDP2
+the local shard is fingerprinted (``shard`` = 1) and the daemon adds the
+squares of the ranks' norms.
 """
 
 from __future__ import annotations
@@ -54,21 +55,33 @@ class ModelFingerprint:
         self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
 
     def compute(self) -> tuple[torch.Tensor, list[int]] | None:
-        """(one tensor: param norms, then grad norms, then non-finite counts of the tensors with
-        a gradient; those tensors' positions). Queues device work only."""
+        """(one float64 tensor: parameter norms, then gradient norms, then non-finite counts of
+        the tensors with a gradient; those tensors' positions). Queues device work only."""
         if not self.params:
             return None
         with torch.no_grad():
             params = [_local(p.detach()) for p in self.params]
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
             grads = [_local(self.params[i].grad.detach()) for i in with_grad]  # type: ignore[union-attr]
-            parts = [torch.stack(torch._foreach_norm(params, 2, dtype=torch.float64))]
-            if grads:
-                parts.append(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)))
-                zeroed = torch._foreach_mul(grads, 0.0)  # NaN where a value is NaN or inf, else 0
-                parts.append(torch.stack(torch._foreach_norm(zeroed, 0, dtype=torch.float64)))
-                del zeroed
-            return torch.cat(parts), with_grad
+            # One fused call for every norm, parameters and gradients alike.
+            norms = torch.stack(torch._foreach_norm(params + grads, 2, dtype=torch.float64))
+            if not grads:
+                return norms, with_grad
+            return torch.cat((norms, _nonfinite_counts(grads, norms[len(params):]))), with_grad
+
+
+def _nonfinite_counts(grads: list[torch.Tensor], grad_norms: torch.Tensor) -> torch.Tensor:
+    """NaN and infinite values per gradient, as float64. A float64 norm is non-finite exactly
+    when a value is, so on the host (where reading the norms synchronizes nothing) only those
+    gradients are counted; on a device, one more fused pass counts every one without a wait."""
+    if grad_norms.device.type == "cpu":
+        finite = torch.isfinite(grad_norms)
+        if bool(finite.all()):
+            return torch.zeros(len(grads), dtype=torch.float64)
+        return torch.tensor([0.0 if ok else float((~torch.isfinite(g)).sum()) for g, ok in
+                             zip(grads, finite.tolist(), strict=True)], dtype=torch.float64)
+    zeroed = torch._foreach_mul(grads, 0.0)  # NaN where a value is NaN or inf, 0 elsewhere
+    return torch.stack(torch._foreach_norm(zeroed, 0, dtype=torch.float64))
 
 
 class Fingerprints:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.procs import EXAMPLES, DaemonProcess, base_env, cli, free_port, torchrun, wait_for
+from traceml_daemon.analysis.engine import diagnose
+from traceml_daemon.store.reader import load_window_run
 
 SCRIPT = EXAMPLES / "numerics.py"
 
@@ -57,6 +59,10 @@ def test_a_replica_one_ulp_off_and_a_nan_gradient_are_named(tmp_path: Path) -> N
     grads = verdicts["GRAD_NONFINITE"]
     ev = grads["evidence"]
     assert (ev["step"], ev["global_rank"], ev["layer"], ev["grad_nonfinite"]) == (40, 1, "module.2.weight", 1), grads
+    # The live view (the TUI's analyzer reads each rank's newest steps) raises both as well.
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        live = {v.name: v for v in diagnose(load_window_run(conn, window=50))}
+    assert live["REPLICA_DIVERGED"].evidence["step"] == 30 and live["GRAD_NONFINITE"].evidence["step"] == 40
     # The database the real daemon wrote passes every integrity check.
     done = cli("validate", "--db", str(db))
     assert done.returncode == 0, done.stdout + done.stderr

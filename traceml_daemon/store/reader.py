@@ -270,4 +270,7 @@ def load_window_run(
     parallelism = run_parallelism(conn, run, (r.parallelism for r in rows))
     if parallelism == "fsdp2":
         fsdp2.fill_steps(conn, list(ranks.items()))
-    return RunData(ranks=out, parallelism=parallelism, now=now if live else None, live=live, systems=systems)
+    # Fingerprints of the window's steps only: the live read stays bounded on a long run.
+    since = min((r.steps[0] for r in out if r.steps), default=None)
+    return RunData(ranks=out, parallelism=parallelism, now=now if live else None, live=live, systems=systems,
+                   fingerprints=fingerprints.evidence(conn, run, since_step=since))

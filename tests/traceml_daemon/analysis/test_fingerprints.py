@@ -94,4 +94,6 @@ def test_the_read_layer_adds_fsdp2_shards_squares_and_reads_nan(tmp_path: Path) 
     assert found is not None and found.ranks == 2
     assert {r.layer for r in found.mismatch} == {"w", "b"}  # shards differ: the first step with a disagreement
     assert [(r.global_rank, r.layer) for r in found.nonfinite] == [(1, "w")]
+    later = fingerprints.evidence(con, run, since_step=6)  # a live window past step 5 sees none of it
+    assert later is not None and later.mismatch == [] and later.nonfinite == []
     con.close()

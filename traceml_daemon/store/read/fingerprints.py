@@ -23,7 +23,7 @@ _ROW = ("SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f
 # A (step, layer) whose ranks disagree: more than one distinct value of any of the three, or a
 # value some ranks have and others lack. COUNT(DISTINCT) compares REALs exactly, bit for bit.
 _FIRST_MISMATCH = (
-    f"SELECT f.step {_RUN} AND f.step IS NOT NULL GROUP BY f.step, f.model_id, f.idx HAVING COUNT(*) > 1 AND ("
+    f"SELECT f.step {_RUN} AND f.step >= ? GROUP BY f.step, f.model_id, f.idx HAVING COUNT(*) > 1 AND ("
     "COUNT(DISTINCT f.param_norm) > 1 OR COUNT(DISTINCT f.grad_norm) > 1 OR COUNT(DISTINCT f.grad_nonfinite) > 1 "
     "OR COUNT(f.param_norm) NOT IN (0, COUNT(*)) OR COUNT(f.grad_norm) NOT IN (0, COUNT(*))) "
     "ORDER BY f.step LIMIT 1"
@@ -41,22 +41,23 @@ def _row(values: tuple[object, ...]) -> FingerprintRow:
                           _float(pn), _float(gn), None if nf is None else int(nf))  # type: ignore[call-overload]
 
 
-def evidence(conn: sqlite3.Connection, run: RunRef) -> FingerprintEvidence | None:
-    """The rows REPLICA_DIVERGED and GRAD_NONFINITE look at; None when the run has no fingerprints."""
+def evidence(conn: sqlite3.Connection, run: RunRef, since_step: int | None = None) -> FingerprintEvidence | None:
+    """The rows REPLICA_DIVERGED and GRAD_NONFINITE look at; None when the run has no fingerprints.
+    ``since_step``: only steps from there on (a live view's window), else the whole run."""
     if not has_table(conn, "fingerprints"):
         return None
-    args = (run.session, run.attempt)
-    (ranks,) = conn.execute(f"SELECT COUNT(DISTINCT f.rank_id) {_RUN}", args).fetchone()
+    args: tuple[object, ...] = (run.session, run.attempt, -1 if since_step is None else since_step)
+    (ranks,) = conn.execute(f"SELECT COUNT(DISTINCT f.rank_id) {_RUN}", args[:2]).fetchone()
     if not ranks:
         return None
     found = FingerprintEvidence(ranks=int(ranks))
     first = conn.execute(_FIRST_MISMATCH, args).fetchone()
     if first is not None:
-        found.mismatch = [_row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ?", (*args, first[0]))]
-    (bad,) = conn.execute(f"SELECT MIN(f.step) {_RUN} AND f.grad_nonfinite > 0", args).fetchone()
+        found.mismatch = [_row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ?", (*args[:2], first[0]))]
+    (bad,) = conn.execute(f"SELECT MIN(f.step) {_RUN} AND f.grad_nonfinite > 0 AND f.step >= ?", args).fetchone()
     if bad is not None:
         found.nonfinite = [
-            _row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ? AND f.grad_nonfinite > 0", (*args, bad))
+            _row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ? AND f.grad_nonfinite > 0", (*args[:2], bad))
         ]
     return found
 
