@@ -108,6 +108,10 @@ def step_row(rank_id: int, global_rank: int, step: int, straggler: int | None) -
         peak + 500_000_000,
         3_000_000_000 + global_rank,
         0,
+        None,  # the FSDP2 collective wait and memory after forward: not measured
+        None,
+        None,
+        None,
     )
 
 

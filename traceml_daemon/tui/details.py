@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from traceml_daemon.analysis.model import PHASES
-from traceml_daemon.store.read import detail, samples
+from traceml_daemon.store.read import detail, fsdp2, samples
 from traceml_daemon.store.read.series import Buckets, Series, scalar_buckets, step_buckets
 from traceml_daemon.tui.model import (
     GpuLatest,
@@ -110,4 +110,5 @@ def rank_detail(con: sqlite3.Connection, cache: SeriesCache, rank: LiveRank) -> 
         layers_step=layers_step,
         layers=[LayerRow(r[0], _ms(r[1]), _ms(r[2]), r[3]) for r in layer_rows],
         models=[models[k] for k in sorted(models, key=lambda x: (x is None, x))],
+        fsdp2=fsdp2.recent_view(con, rid),
     )

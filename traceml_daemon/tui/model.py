@@ -184,6 +184,8 @@ class RankDetail:
     layers_step: int | None
     layers: list[LayerRow]
     models: list[ModelRow]
+    # FSDP2 shard view (store.read.fsdp2.recent_view): None when the rank traced no FSDP2 model
+    fsdp2: dict[str, Any] | None = None
 
 
 

@@ -51,7 +51,7 @@ def test_sql_buckets_bounded_incremental(tmp_path: Path) -> None:
     # Append steps while the reader is open (WAL): the next update extends, still bounded.
     rw = sqlite3.connect(db)
     rw.executemany(
-        "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")", [step_row(1, 0, i, None) for i in range(1000, 3000)]
+        "INSERT INTO steps VALUES (" + ",".join("?" * len(step_row(0, 0, 0, None))) + ")", [step_row(1, 0, i, None) for i in range(1000, 3000)]
     )
     rw.commit()
     b.update(ro)
@@ -91,7 +91,7 @@ def test_incremental_tail_sees_new_steps(tui_db: str) -> None:
     assert data.overview().header.latest_step == 199
     rw = sqlite3.connect(tui_db)
     rw.executemany(
-        "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
+        "INSERT INTO steps VALUES (" + ",".join("?" * len(step_row(0, 0, 0, None))) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
     )
     rw.commit()
     ov = data.overview()
@@ -267,7 +267,7 @@ def test_changed_is_true_only_after_a_commit(tui_db: str) -> None:
     assert not data.changed()
     rw = sqlite3.connect(tui_db)
     rw.executemany(
-        "INSERT INTO steps VALUES (" + ",".join("?" * 15) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
+        "INSERT INTO steps VALUES (" + ",".join("?" * len(step_row(0, 0, 0, None))) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
     )
     rw.commit()
     assert data.changed()

@@ -61,3 +61,24 @@ def model_facts(conn: sqlite3.Connection, rank_id: int) -> dict[str, int | None]
         (rank_id,),
     ).fetchone()
     return None if row is None else dict(zip(MODEL_FIELDS, row, strict=True))
+
+
+def recent_view(conn: sqlite3.Connection, rank_id: int, last_n: int = 64) -> dict[str, Any] | None:
+    """The rank's FSDP2 shard view: model facts plus medians over its newest ``last_n`` steps
+    (collective wait per phase and on the replicate dim, device peak, memory after forward).
+    None when the rank traced no FSDP2 model; a median is None where nothing was measured."""
+    facts = model_facts(conn, rank_id)
+    if facts is None:
+        return None
+    fields = ("peak_bytes", *STEP_FIELDS) if has_step_fields(conn) else ("peak_bytes",)
+    rows = conn.execute(
+        f"SELECT {', '.join(fields)} FROM steps WHERE {rank_is('?1')} ORDER BY step DESC LIMIT ?2",
+        (rank_id, last_n),
+    ).fetchall()
+    view: dict[str, Any] = dict(facts)
+    for i, name in enumerate(fields):
+        present = sorted(r[i] for r in rows if r[i] is not None)
+        view[name] = present[len(present) // 2] if present else None
+    for name in STEP_FIELDS:
+        view.setdefault(name, None)
+    return view

@@ -118,6 +118,22 @@ class NodeScreen(Screen[None]):
             self.app.open_rank(int(event.row_key.value))  # type: ignore[attr-defined]
 
 
+def shard_view(v: dict[str, Any]) -> Text:
+    """The rank's FSDP2 block: mesh, shard and full size, memory per step, wait in collectives."""
+    shard, replicate = v.get("shard_degree"), v.get("replicate_degree")
+    mesh = ABSENT if shard is None else (f"{replicate} replicas x {shard} shards" if replicate else f"{shard} shards")
+    out = Text("FSDP2 shard view", style="bold")
+    out.append(f"  mesh {mesh}\n")
+    out.append(f"  shard {fmt_bytes(v.get('local_shard_bytes'))} of ~{fmt_bytes(v.get('estimated_full_bytes'))} full"
+               f"   peak/step {fmt_bytes(v.get('peak_bytes'))}   after forward {fmt_bytes(v.get('post_forward_bytes'))}\n")
+    ms = {k: None if v.get(k) is None else v[k] / 1e6 for k in ("fwd_comm_ns", "bwd_comm_ns", "replicate_comm_ns")}
+    out.append(f"  waiting in collectives per step (ms): forward {fmt_ms(ms['fwd_comm_ns'])}"
+               f"  backward {fmt_ms(ms['bwd_comm_ns'])}")
+    if replicate:
+        out.append(f"  (replicate all-reduce {fmt_ms(ms['replicate_comm_ns'])})")
+    return out
+
+
 class RankScreen(Screen[None]):
     BINDINGS = [Binding("escape", "app.pop_screen", "Back")]
 
@@ -138,6 +154,7 @@ class RankScreen(Screen[None]):
             yield SparkList(label_width=11, id="scalars")
             yield Static("Models", classes="section")
             yield Static("", id="models")
+            yield Static("", id="shard")  # FSDP2 only (hidden otherwise)
             yield Static("Layers (deep dive)", classes="section", id="layers_title")
             layers: DataTable[Any] = DataTable(id="layers", cursor_type="row")
             layers.add_columns("layer", "fwd ms", "bwd ms", "activations")
@@ -185,10 +202,17 @@ class RankScreen(Screen[None]):
                 )
             models.append("\n")
         self.query_one("#models", Static).update(models if rd.models else Text("no model reported", style="dim"))
+        shard = self.query_one("#shard", Static)
+        shard.display = rd.fsdp2 is not None
+        if rd.fsdp2 is not None:
+            shard.update(shard_view(rd.fsdp2))
         title = self.query_one("#layers_title", Static)
         table = self.query_one("#layers", DataTable)
         if rd.layers:
             title.update(f"Layers (deep dive, step {rd.layers_step})")
+        elif rd.fsdp2 is not None:
+            title.update(Text("Layers: no per-layer deep dive under FSDP2 (layer hooks would see only shards)",
+                              style="dim"))
         else:
             title.update(Text("Layers: no deep dive data", style="dim"))
         table.display = bool(rd.layers)
