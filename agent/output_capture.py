@@ -8,11 +8,16 @@ console path never waits on anything but the console itself: lines go to a
 bounded buffer (a byte cap, a line-rate bucket), and what does not fit is
 dropped and counted, never waited for. ``stop()`` restores the original
 descriptors and reads what is still in the pipes (a traceback printed at exit).
+
+A process killed outright (abort, a fatal signal) takes with it what the reader
+had not copied yet; Python's fault handler, when enabled, writes to the original
+stderr directly, so a crash's traceback reaches the console whatever the pipe holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import select
 import sys
@@ -84,6 +89,7 @@ class OutputCapture:
         self._stop = threading.Event()
         self._restore_lock = threading.Lock()
         self._seq = 0
+        self._faulthandler = False  # it was enabled at start: pointed at the original stderr meanwhile
         self.lines_seen = 0
         self.lines_rate_dropped = 0  # over the line rate
         self.lines_full_dropped = 0  # oldest lines pushed out by the byte cap
@@ -122,8 +128,18 @@ class OutputCapture:
             self._close_fds()
             raise
         self._streams = installed
+        self._point_faulthandler()
         self._thread = threading.Thread(target=self._run, name="traceml-output", daemon=True)
         self._thread.start()
+
+    def _point_faulthandler(self) -> None:
+        """A fatal error kills the reader with the process: the fault handler writes past the pipe."""
+        stderr = next((s for s in self._streams if s.fd == 2), None)
+        if stderr is None or not faulthandler.is_enabled():
+            return
+        with contextlib.suppress(Exception):
+            faulthandler.enable(file=stderr.saved, all_threads=True)
+            self._faulthandler = True
 
     def stop(self, timeout: float = 1.0) -> None:
         """Restore the original descriptors, then read what the pipes still hold."""
@@ -144,6 +160,10 @@ class OutputCapture:
                 if s.saved >= 0:
                     with contextlib.suppress(OSError):
                         os.dup2(s.saved, s.fd)
+            if self._faulthandler:
+                with contextlib.suppress(Exception):
+                    faulthandler.enable(file=2, all_threads=True)  # before the saved descriptor closes
+                self._faulthandler = False
 
     def _close_fds(self) -> None:
         for s in self._streams:

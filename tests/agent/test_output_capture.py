@@ -85,10 +85,10 @@ def test_a_consumer_that_never_drains_never_blocks_the_writer(tmp_path: Path) ->
     assert not writer.is_alive()
     capture.stop()
     os.close(fd)
-    assert path.read_text() == "".join("%07d\n" % i for i in range(lines))
+    assert path.read_text() == "".join(f"{i:07d}\n" for i in range(lines))
     rows = _rows(capture)
     # The byte cap kept the newest lines; everything older was dropped and counted.
-    assert rows and rows[-1][3] == "%07d" % (lines - 1)
+    assert rows and rows[-1][3] == f"{lines - 1:07d}"
     assert capture.lines_full_dropped + capture.lines_rate_dropped + len(rows) == lines
     assert capture.lines_full_dropped > 0
 
@@ -144,3 +144,19 @@ def test_capture_is_on_by_default_and_off_with_the_variable() -> None:
     assert load_config({})[0].capture_output is True
     config, problems = load_config({"TRACEML_CAPTURE_OUTPUT": "0", "TRACEML_OUTPUT_LINES_PER_S": "500"})
     assert (config.capture_output, config.output_lines_per_s, problems) == (False, 500.0, [])
+
+
+_CRASH = r"""
+import faulthandler, os
+from agent.output_capture import OutputCapture
+faulthandler.enable()
+OutputCapture().start()
+faulthandler._sigsegv()
+"""
+
+
+def test_a_hard_crash_still_reaches_the_console() -> None:
+    # The process dies with its reader; the fault handler writes past the pipe.
+    done = subprocess.run([sys.executable, "-c", _CRASH], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in done.stderr
