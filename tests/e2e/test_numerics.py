@@ -62,6 +62,10 @@ def test_a_replica_one_ulp_off_and_a_nan_gradient_are_named(tmp_path: Path) -> N
     # The live view (the TUI's analyzer reads each rank's newest steps) raises both as well.
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         live = {v.name: v for v in diagnose(load_window_run(conn, window=50))}
+        # Rank 1's weight went NaN through the optimizer at step 40: stored as NaN, not as "no value".
+        (norm,) = conn.execute("SELECT f.param_norm FROM fingerprints f JOIN ranks r ON r.rank_id = f.rank_id "
+                               "WHERE r.global_rank = 1 AND f.step = 40 AND f.layer = 'module.2.weight'").fetchone()
+        assert norm == "NaN"
     assert live["REPLICA_DIVERGED"].evidence["step"] == 30 and live["GRAD_NONFINITE"].evidence["step"] == 40
     # The database the real daemon wrote passes every integrity check.
     done = cli("validate", "--db", str(db))
