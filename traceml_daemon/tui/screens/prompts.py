@@ -21,6 +21,7 @@ TraceML — keys
   i              step inspector: every rank at one step (from findings: the
                  first rank verdict's step); arrows step, g go to a step
   l              logs: the ranks' output folded across ranks, errors first
+  o              rollouts: RL sessions, phase percentiles, pending, reasons
   ?              this help
   q              quit
 
