@@ -127,5 +127,6 @@ def test_the_listed_step_is_profiled_on_every_rank_and_listed(run: dict[str, Any
         assert path.parent == run["tmp"] / "profiles" and path.is_file()
         assert json.loads(path.read_text())["traceEvents"]  # a torch.profiler Chrome trace
     assert s["rollout_sessions"] > 0
+    assert {"ROLLOUT_LONG_TAIL", "ROLLOUT_REJECTIONS_HIGH"} <= {v["name"] for v in s["verdicts"]}
     text = cli("summary", "--db", str(run["db"]), "--no-files")
     assert "torch.profiler traces" in text.stdout and "traceml-daemon sessions" in text.stdout, text.stdout

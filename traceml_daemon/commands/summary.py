@@ -18,9 +18,9 @@ from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.analysis.policy_file import policy_overrides
 from traceml_daemon.analysis.report import format_verdicts
 from traceml_daemon.analysis.stats import rank_ranges
-from traceml_daemon.commands.summary_rollouts import entries as rollout_entries
-from traceml_daemon.commands.summary_rollouts import render as rollout_lines
 from traceml_daemon.commands import summary_fsdp2
+from traceml_daemon.commands.summary_rollouts import add_to as add_rollouts
+from traceml_daemon.commands.summary_rollouts import render as rollout_lines
 from traceml_daemon.store import reader
 from traceml_daemon.store.gc_pause import gc_paused
 from traceml_daemon.store.read import output
@@ -132,7 +132,7 @@ def _build_summary(db_path: str, policy: Policy | None = None, session: str | No
             # The rank whose traceback came first, from the ranks' captured output.
             failure=output.first_failure(conn, [(r.rank_id, d.global_rank) for r, d in zip(rows, run.ranks, strict=True)]),
         )
-        summary.update(rollout_entries(conn, [(r.rank_id, r.global_rank) for r in rows]))
+        add_rollouts(summary, conn, [(r.rank_id, r.global_rank) for r in rows], policy)
         return summary
     finally:
         conn.close()

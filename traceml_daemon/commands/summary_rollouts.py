@@ -1,24 +1,44 @@
-"""The summary's view of tracing beyond the step: profiler trace files and whether rollout sessions exist.
+"""The summary's view of tracing beyond the step: rollout verdicts, profiler trace files.
 
-``entries`` adds ``profiles`` (every torch.profiler trace file a rank wrote: rank,
-step, steps, path) and ``rollout_sessions`` (rows stored; ``traceml-daemon
-sessions`` has the records and their figures) to the summary; ``render`` the
-text lines.
+``add_to`` adds to a summary ``profiles`` (every torch.profiler trace file a rank
+wrote: rank, step, steps, path), ``rollout_sessions`` (rows stored; ``traceml-daemon
+sessions`` has the records and their figures) and, when the run has rollout
+sessions, the rollout verdicts (over each rank's newest ``NEWEST_SESSIONS``
+sessions, so a long run's summary stays bounded) to its ``verdicts``; ``render``
+the text lines.
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+import time
 from typing import Any
 
-from traceml_daemon.store.read.rollouts import has_sessions, run_profiles, session_rows
+from traceml_daemon.analysis import rollout_stats
+from traceml_daemon.analysis.policy import Policy
+from traceml_daemon.analysis.rollouts import TrainerWait, rollout_verdicts
+from traceml_daemon.store.read.rollouts import has_sessions, run_profiles, run_sessions, session_rows, trainer_wait
+
+NEWEST_SESSIONS = 20_000  # session rows per rank the summary's rollout verdicts read
+log = logging.getLogger("traceml_daemon.commands.summary")
 
 
-def entries(conn: sqlite3.Connection, ranks: list[tuple[int, int | None]]) -> dict[str, Any]:
-    return {
-        "profiles": [p.__dict__ for p in run_profiles(conn, ranks)],
-        "rollout_sessions": session_rows(conn, ranks) if has_sessions(conn) else 0,
-    }
+def add_to(summary: dict[str, Any], conn: sqlite3.Connection, ranks: list[tuple[int, int | None]],
+           policy: Policy | None = None) -> None:
+    summary["profiles"] = [p.__dict__ for p in run_profiles(conn, ranks)]
+    rows = session_rows(conn, ranks) if has_sessions(conn) else 0
+    summary["rollout_sessions"] = rows
+    if not rows:
+        return
+    try:
+        stats = rollout_stats.collect(run_sessions(conn, ranks, NEWEST_SESSIONS))
+        steps, step_s, waiting_s = trainer_wait(conn, ranks)
+        found = rollout_verdicts(stats, time.time(), policy or Policy(), TrainerWait(step_s, waiting_s, steps))
+        summary["verdicts"] = list(summary.get("verdicts") or []) + [v.to_json() for v in found]
+    except Exception:
+        # A diagnosis bug must not cost the user their summary.
+        log.exception("rollout diagnosis failed; the summary has no rollout verdicts")
 
 
 def render(summary: dict[str, Any]) -> list[str]:
