@@ -32,6 +32,8 @@ DEFAULT_DB = "traceml.db"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, help=f"database (default ./{DEFAULT_DB})")
     parser.add_argument("--session", default=None, help="this session (default: the latest run; `runs` lists them)")
+    parser.add_argument("--policy", metavar="FILE",
+                        help="TOML file overriding thresholds, e.g. [rollouts] tail_ratio = 10 (docs/diagnosis.md)")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--jsonl", metavar="OUT", default=None,
                      help="write one JSON line per rollout session to OUT ('-': stdout)")
@@ -128,6 +130,15 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         add_arguments(parser)
         args = parser.parse_args(args)
     prog = "traceml-daemon sessions"
+    policy = None
+    if getattr(args, "policy", None):
+        from traceml_daemon.analysis.policy_file import PolicyFileError, load_policy
+
+        try:
+            policy = load_policy(args.policy)
+        except PolicyFileError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
     try:
         conn = reader.open_readonly(args.db)
     except reader.StoreError as exc:
@@ -153,7 +164,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             print(f"{n} sessions written to {os.path.abspath(args.jsonl)}", file=sys.stderr)
             return 0
         now = time.time()
-        summary = load_summary(run, now)
+        summary = load_summary(run, now, policy)
         if args.json:
             summary["sessions_list"] = [rollout_stats.areal_record(r) for r in run.sessions()]
             json.dump(summary, sys.stdout, indent=2)

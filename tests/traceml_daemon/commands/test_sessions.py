@@ -67,3 +67,17 @@ def test_errors_name_the_problem(db: Path, tmp_path: Path, capsys: pytest.Captur
     assert "missing.db" in capsys.readouterr().err
     assert cli.main(["sessions", "--db", str(db), "--jsonl", str(tmp_path / "no" / "dir" / "x.jsonl")]) == 2
     assert "pick a writable path" in capsys.readouterr().err
+
+
+def test_policy_file_changes_the_thresholds(db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    strict = tmp_path / "p.toml"
+    strict.write_text("[rollouts]\nmin_sessions = 1\nreject_frac = 0.1\n")
+    assert cli.main(["sessions", "--db", str(db), "--json", "--policy", str(strict)]) == 0
+    assert "ROLLOUT_REJECTIONS_HIGH" in {v["name"] for v in json.loads(capsys.readouterr().out)["verdicts"]}
+    assert cli.main(["sessions", "--db", str(db), "--json"]) == 0
+    default = {v["name"] for v in json.loads(capsys.readouterr().out)["verdicts"]}
+    assert "ROLLOUT_REJECTIONS_HIGH" not in default  # two finalized sessions: too few by default
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollouts]\nno_such_key = 1\n")
+    assert cli.main(["sessions", "--db", str(db), "--policy", str(bad)]) == 2
+    assert "no_such_key" in capsys.readouterr().err
