@@ -86,6 +86,12 @@ def test_the_read_layer_adds_fsdp2_shards_squares_and_reads_nan(tmp_path: Path) 
     con.executemany("INSERT INTO fingerprints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
     con.commit()
     run = RunRef("s", 0)
+    found = fingerprints.evidence(con, run)
+    assert found is not None and found.mismatch == []  # no model row says DDP: not replicas
+    con.executemany("INSERT INTO models (rank_id, model_id, name, parallelism) VALUES (?, 0, 'Net', 'ddp')",
+                    [(1,), (2,)])
+    con.commit()
+    run = RunRef("s", 0)
     series = fingerprints.series(con, run)
     param, grad, nonfinite = series[(0, 0, "w", None)][5]
     assert param == 5.0 and math.isnan(grad) and nonfinite == 2  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """A run's numerics fingerprints (``fingerprints`` table, agent/fingerprint.py), read-only.
 
 ``evidence`` finds, in SQL, the two steps the verdicts need (the first where the
-ranks' fingerprints disagree, the first with non-finite gradients) and reads only
+ranks' fingerprints of a DDP-wrapped model disagree, the first with non-finite
+gradients) and reads only
 their rows; ``series`` reads every row for ``compare``, adding FSDP2 shards' squares
 into each layer's full norm. A database from before fingerprints has no such table:
 both then return nothing.
@@ -22,8 +23,12 @@ _ROW = ("SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f
 
 # A (step, layer) whose ranks disagree: more than one distinct value of any of the three, or a
 # value some ranks have and others lack. COUNT(DISTINCT) compares REALs exactly, bit for bit.
+# Only models the ranks traced as DDP-wrapped: another model a rank traces may differ by design.
+_DDP_MODEL = ("EXISTS (SELECT 1 FROM models m WHERE m.rank_id = f.rank_id AND m.model_id = f.model_id "
+              "AND m.parallelism = 'ddp')")
 _FIRST_MISMATCH = (
-    f"SELECT f.step {_RUN} AND f.step >= ? GROUP BY f.step, f.model_id, f.idx HAVING COUNT(*) > 1 AND ("
+    f"SELECT f.step {_RUN} AND f.step >= ? AND {_DDP_MODEL} GROUP BY f.step, f.model_id, f.idx "
+    "HAVING COUNT(*) > 1 AND ("
     "COUNT(DISTINCT f.param_norm) > 1 OR COUNT(DISTINCT f.grad_norm) > 1 OR COUNT(DISTINCT f.grad_nonfinite) > 1 "
     "OR COUNT(f.param_norm) NOT IN (0, COUNT(*)) OR COUNT(f.grad_norm) NOT IN (0, COUNT(*))) "
     "ORDER BY f.step LIMIT 1"
@@ -53,7 +58,8 @@ def evidence(conn: sqlite3.Connection, run: RunRef, since_step: int | None = Non
     found = FingerprintEvidence(ranks=int(ranks))
     first = conn.execute(_FIRST_MISMATCH, args).fetchone()
     if first is not None:
-        found.mismatch = [_row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ?", (*args[:2], first[0]))]
+        found.mismatch = [_row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ? AND {_DDP_MODEL}",
+                                                        (*args[:2], first[0]))]
     (bad,) = conn.execute(f"SELECT MIN(f.step) {_RUN} AND f.grad_nonfinite > 0 AND f.step >= ?", args).fetchone()
     if bad is not None:
         found.nonfinite = [
