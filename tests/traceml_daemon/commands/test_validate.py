@@ -178,3 +178,26 @@ def test_a_missing_spool_is_an_io_error(tmp_path: Path) -> None:
     done = cli("validate", "--spool", str(tmp_path / "none"))
     assert done.returncode == 2
     assert "no such file or directory" in done.stderr
+
+
+def test_segments_written_by_the_relays_spool_are_checked(tmp_path: Path) -> None:
+    from relay.spool_file import Packed, Spool
+    from tests.traceml_daemon.commands.test_ingest_spool import A0, PEERS
+    from tests.traceml_daemon.wire_client import steps_body
+    from traceml_wire import messages
+    from traceml_wire.framing import pack_message
+
+    spool_dir = tmp_path / "spool"
+    spool = Spool(str(spool_dir), cap_bytes=1 << 20, segment_bytes=4096)  # small segments: several files
+    for seq in range(1, 9):
+        data = pack_message(messages.relay_batch(seq, [[A0, seq, steps_body(seq * 10, 10)]], PEERS,
+                                                 {"node_rank": 0}, {}, sender="relay/s1/n0/1-ab"))
+        spool.append(Packed(seq=seq, data=data, n_items=1, body_bytes=len(data)))
+    kept = sorted(spool.close(keep_unacked=True))
+    assert len(kept) > 1
+    done = cli("validate", "--spool", str(spool_dir), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sum(f["records"] for f in json.loads(done.stdout)["files"]) == 8
+    _flip(Path(kept[-1]), len(Path(kept[-1]).read_bytes()) - 3)  # the last record's body
+    done = cli("validate", "--spool", str(spool_dir))
+    assert done.returncode == 3 and f"{kept[-1]}: record at byte" in done.stdout and "CRC mismatch" in done.stdout
