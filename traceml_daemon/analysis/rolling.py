@@ -36,7 +36,8 @@ FOLD_ROWS = 64
 
 STEP_COLUMNS = columns("steps")
 # The step columns a fold reads, and where they sit in a batch.
-_FOLDED = ("step", "ts", "step_ns", "wait_ns", "comm_ns", *(f"{p}_ns" for p in PHASES if p != "wait"))
+_FOLDED = ("step", "ts", "step_ns", "wait_ns", "comm_ns", *(f"{p}_ns" for p in PHASES if p != "wait"),
+           "fwd_comm_ns", "bwd_comm_ns")
 _FOLDED_AT = tuple((name, STEP_COLUMNS.index(name)) for name in _FOLDED)
 _PICK = itemgetter(*(i for _, i in _FOLDED_AT))
 _STEP_AT, _TS_AT, _COMM_AT = (STEP_COLUMNS.index(name) for name in ("step", "ts", "comm_ns"))
@@ -53,7 +54,7 @@ class RankWindow:
     last_ts: float | None = None
     step_ns: Ring = field(init=False)
     busy_ns: Ring = field(init=False)  # step minus wait, per step
-    wait_measured: bool = False  # comm (DDP's all-reduce) seen: wait is time blocked on peers
+    wait_measured: bool = False  # comm (DDP's all-reduce) or FSDP2's collectives seen: busy is not the step
     phases_ns: dict[str, Ring] = field(init=False)
     dirty: bool = field(init=False, default=True)
     # Step batches pushed but not folded into the windows yet (see the module docstring),
@@ -137,7 +138,14 @@ class RankWindow:
         if step_ns:
             self.step_ns.extend(step_ns)  # skips None (not measured): out of the median
         wait = cols.get("wait_ns")
-        if step_ns and wait and len(wait) == len(step_ns):
+        fwd_comm, bwd_comm = cols.get("fwd_comm_ns"), cols.get("bwd_comm_ns")
+        if step_ns and _measured(fwd_comm, step_ns) and _measured(bwd_comm, step_ns):
+            # FSDP2: the ranks wait for one another inside forward and backward, in the
+            # collectives the agent timed; wait_ns is the step's residual (own work).
+            self.wait_measured = True
+            self.busy_ns.extend([s - (f or 0) - (b or 0) if s is not None else None
+                                 for s, f, b in zip(step_ns, fwd_comm, bwd_comm, strict=True)])  # type: ignore[arg-type]
+        elif step_ns and wait and len(wait) == len(step_ns):
             try:
                 busy = list(map(sub, step_ns, wait))  # the usual case, in C
             except TypeError:  # a None in either
@@ -163,6 +171,11 @@ class RankWindow:
 
 
 _PHASE_COLUMNS = tuple((p, f"{p}_ns") for p in PHASES)
+
+
+def _measured(values: Sequence[Any] | None, like: Sequence[Any]) -> bool:
+    """A column as long as the steps with some value in it (one C pass: count)."""
+    return bool(values) and len(values) == len(like) and values.count(None) != len(values)  # type: ignore[union-attr]
 
 
 def _ms(ns: float | None) -> float | None:
