@@ -13,6 +13,7 @@ from typing import Any
 
 from traceml_daemon.analysis.model import PHASES
 from traceml_daemon.store.read import detail, fsdp2, samples
+from traceml_daemon.store.read.rollouts import run_profiles
 from traceml_daemon.store.read.series import Buckets, Series, scalar_buckets, step_buckets
 from traceml_daemon.tui.model import (
     GpuLatest,
@@ -111,4 +112,5 @@ def rank_detail(con: sqlite3.Connection, cache: SeriesCache, rank: LiveRank) -> 
         layers=[LayerRow(r[0], _ms(r[1]), _ms(r[2]), r[3]) for r in layer_rows],
         models=[models[k] for k in sorted(models, key=lambda x: (x is None, x))],
         fsdp2=fsdp2.recent_view(con, rid),
+        profiles=[(p.step, p.steps, p.path) for p in run_profiles(con, [(rid, None)])],
     )

@@ -186,6 +186,8 @@ class RankDetail:
     models: list[ModelRow]
     # FSDP2 shard view (store.read.fsdp2.recent_view): None when the rank traced no FSDP2 model
     fsdp2: dict[str, Any] | None = None
+    # torch.profiler trace files the rank wrote: (first step, steps, path)
+    profiles: list[tuple[int | None, int | None, str]] = field(default_factory=list)
 
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from tests.traceml_daemon.tui.conftest import FROZEN_NOW, asynctest, make_app, press, settle
+from textual.widgets import Input
+
+from tests.traceml_daemon.tui.conftest import FROZEN_NOW, asynctest, make_app, press, settle, static_text
 from traceml_daemon.store.migrate import migrate
+from traceml_daemon.tui.screens import RankScreen
 from traceml_daemon.tui.screens.rollouts import RolloutsScreen
 
 
@@ -31,6 +34,8 @@ def _rollout_db(path: Path) -> str:
                     "finalized_ts, open_phases) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", sessions)
     con.executemany("INSERT INTO session_phases (rank_id, session_id, phase, start_ts, end_ts, start_payload, "
                     "end_payload) VALUES (?, ?, ?, ?, ?, ?, ?)", phases)
+    con.execute("INSERT INTO profiles (rank_id, step, steps, ts, path) VALUES (1, 49, 1, ?, '/data/p/rank0-step49.json')",
+                (FROZEN_NOW - 50,))
     con.commit()
     con.close()
     return str(path)
@@ -59,3 +64,16 @@ async def test_rollouts_screen_shows_figures_pending_and_verdicts(tmp_path: Path
         assert "generate" in text and "stale_weight" in text and "session 61" in text
         await press(pilot, "escape")
         assert not isinstance(app.screen, RolloutsScreen)
+
+
+@asynctest
+async def test_rank_screen_lists_the_profiler_traces(tmp_path: Path) -> None:
+    app = make_app(_rollout_db(tmp_path / "rl.db"))
+    async with app.run_test(size=(100, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("slash")
+        app.screen.query_one(Input).value = "r0"
+        await press(pilot, "enter")
+        assert isinstance(app.screen, RankScreen)
+        text = static_text(app.screen, "#profiles")
+        assert "torch.profiler traces" in text and "step 49 (1 steps): /data/p/rank0-step49.json" in text

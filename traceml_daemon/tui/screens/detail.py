@@ -155,6 +155,7 @@ class RankScreen(Screen[None]):
             yield Static("Models", classes="section")
             yield Static("", id="models")
             yield Static("", id="shard")  # FSDP2 only (hidden otherwise)
+            yield Static("", id="profiles")  # torch.profiler traces of listed steps (hidden when none)
             yield Static("Layers (deep dive)", classes="section", id="layers_title")
             layers: DataTable[Any] = DataTable(id="layers", cursor_type="row")
             layers.add_columns("layer", "fwd ms", "bwd ms", "activations")
@@ -206,6 +207,13 @@ class RankScreen(Screen[None]):
         shard.display = rd.fsdp2 is not None
         if rd.fsdp2 is not None:
             shard.update(shard_view(rd.fsdp2))
+        profiles = self.query_one("#profiles", Static)
+        profiles.display = bool(rd.profiles)
+        if rd.profiles:
+            text = Text("torch.profiler traces", style="bold")
+            for step, steps, path in rd.profiles:
+                text.append(clean(f"\n  step {step} ({steps} steps): {path}"))
+            profiles.update(text)
         title = self.query_one("#layers_title", Static)
         table = self.query_one("#layers", DataTable)
         if rd.layers:
