@@ -159,7 +159,7 @@ def lane_key() -> tuple[Any, str | None]:
 class Span:
     """One region: a context manager (sync and async) and a decorator."""
 
-    __slots__ = ("_sink", "name", "category", "args", "_t0", "_token", "_id", "_parent", "_task", "_step")
+    __slots__ = ("_sink", "name", "category", "args", "_t0", "_token", "_id", "_parent", "_task", "_step", "_deco")
 
     def __init__(self, sink: SpanSink, name: str, category: str | None, args: dict[str, Any]) -> None:
         self._sink = sink
@@ -218,7 +218,8 @@ class Span:
         return self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return decorate(fn, self.name, self.category, self.args)
+        # A decorator opens a span per call with the args as given (enable_profiler kept).
+        return decorate(fn, self.name, self.category, getattr(self, "_deco", None) or self.args)
 
 
 class NullSpan:
@@ -264,6 +265,7 @@ def open_span(name: str, category: str | None, args: dict[str, Any]) -> Any:
 
 
 def _with_profiler(span: Span, args: dict[str, Any]) -> Any:
+    span._deco = args
     args = dict(args)
     wanted = bool(args.pop("enable_profiler"))
     span.args = args

@@ -65,6 +65,12 @@ async def main():
     with agent.span("unflagged", global_step=10):
         pass
 asyncio.run(main())
+
+@agent.span("decorated", enable_profiler=True, global_step=11)
+def decorated():
+    return 1
+
+decorated()
 print("files", sorted(os.listdir(out)) if os.path.isdir(out) else [])
 agent.shutdown()
 """
@@ -80,7 +86,7 @@ def _closed_port() -> int:
 
 def test_listed_steps_and_flagged_spans_are_profiled(tmp_path: Path) -> None:
     out = tmp_path / "profiles"
-    done = run(SCRIPT.replace("{port}", str(_closed_port())), PROF_STEPS="2,9,10", PROF_DIR=str(out),
+    done = run(SCRIPT.replace("{port}", str(_closed_port())), PROF_STEPS="2,9,10,11", PROF_DIR=str(out),
                TRACEML_CAPTURE_OUTPUT="0")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -88,6 +94,7 @@ def test_listed_steps_and_flagged_spans_are_profiled(tmp_path: Path) -> None:
     files = [line for line in lines if line.startswith("files")][0]
     assert "rank0-step2.pt.trace.json" in files and "rank0-step9.pt.trace.json" in files
     assert "step8" not in files and "step10" not in files  # 8 is not listed; 10 carries no flag
+    assert "rank0-step11.pt.trace.json" in files  # a decorator keeps the flag for every call
 
 
 def test_without_profile_steps_nothing_is_armed(tmp_path: Path) -> None:
