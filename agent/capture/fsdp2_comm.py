@@ -79,51 +79,57 @@ class Fsdp2Timer:
         self.tracer = tracer
         self.calls = 0  # collectives timed (tests and the benchmark read it)
 
-    def timed(self, fn: Callable[..., Any], dim: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tracer = self.tracer
-        rec = tracer._active if tracer is not None else None
-        if rec is None:  # outside a traced step: the call as it was
-            return fn(*args, **kwargs)
-        try:
-            slot = (BWD_SHARD if rec.bwd_depth else FWD_SHARD) + dim
-            backend = tracer._backend
-            ev0 = backend.mark() if backend is not None else None
-            t0 = _perf()
-        except Exception as exc:
-            tracer._gate.fail("fsdp2_comm", exc)
-            return fn(*args, **kwargs)
-        if backend is not None:
-            try:
+    def wrap(self, real: ModuleType, name: str, dim: int) -> Callable[..., Any]:
+        """``real.<name>``, timed into the active step (``dim``: 0 shard, ``_REPLICATE``).
+
+        The body is inline (no helper calls on the common path): it runs for every
+        collective of every step, on the thread that issues it."""
+        timer = self
+        perf = _perf
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            fn = getattr(real, name)  # looked up per call, as FSDP2's own ``dist.<name>`` is
+            tracer = timer.tracer
+            rec = tracer._active if tracer is not None else None
+            if rec is None:  # outside a traced step: the call as it was
                 return fn(*args, **kwargs)
-            finally:
+            try:
+                slot = (BWD_SHARD if rec.bwd_depth else FWD_SHARD) + dim
+                backend = tracer._backend
+                ev0 = backend.mark() if backend is not None else None
+                t0 = perf()
+            except Exception as exc:
+                tracer._gate.fail("fsdp2_comm", exc)
+                return fn(*args, **kwargs)
+            if backend is not None:
                 try:
-                    # Still inside FSDP2's stream context: the end event follows the kernel on its stream.
-                    tracer._dev_pair(rec, DEVICE_SLOT0 + slot, ev0)
-                    self.calls += 1
-                except Exception as exc:
-                    tracer._gate.fail("fsdp2_comm", exc)
-        work = fn(*args, **kwargs)
-        try:
-            acc = _host_acc(rec)
-            if kwargs.get("async_op") and work is not None:
-                _time_async(tracer, acc, slot, t0, work)
-            else:
-                acc[slot] += _perf() - t0
-            self.calls += 1
-        except Exception as exc:
-            tracer._gate.fail("fsdp2_comm", exc)
-        return work
+                    return fn(*args, **kwargs)
+                finally:
+                    try:
+                        # Still inside FSDP2's stream context: the end event follows the kernel on its stream.
+                        tracer._dev_pair(rec, DEVICE_SLOT0 + slot, ev0)
+                        timer.calls += 1
+                    except Exception as exc:
+                        tracer._gate.fail("fsdp2_comm", exc)
+            work = fn(*args, **kwargs)
+            try:
+                acc = getattr(rec, "fsdp", None)
+                if acc is None:
+                    acc = rec.fsdp = [0, 0, 0, 0, []]  # four sums (the indexes above), async completions
+                if kwargs and kwargs.get("async_op") and work is not None:
+                    _time_async(acc, slot, t0, work)
+                else:
+                    acc[slot] += perf() - t0
+                timer.calls += 1
+            except Exception as exc:
+                tracer._gate.fail("fsdp2_comm", exc)
+            return work
+
+        collective.__name__ = collective.__qualname__ = name
+        return collective
 
 
-def _host_acc(rec: Any) -> list[Any]:
-    """The step's host accumulator: four sums (see the indexes above) and a list for async ops."""
-    acc = getattr(rec, "fsdp", None)
-    if acc is None:
-        acc = rec.fsdp = [0, 0, 0, 0, []]
-    return acc
-
-
-def _time_async(tracer: Any, acc: list[Any], slot: int, t0: int, work: Any) -> None:
+def _time_async(acc: list[Any], slot: int, t0: int, work: Any) -> None:
     done: list[tuple[int, int]] = acc[4]
 
     def finished(_: Any) -> None:
@@ -165,27 +171,17 @@ class TimedDist:
     def __init__(self, real: ModuleType, timer: Fsdp2Timer) -> None:
         self.__dict__["_real"] = real
         self.__dict__["_timer"] = timer
+        # The timed collectives: plain functions in the instance dict (no bound-method call).
+        for name in SHARD_CALLS:
+            self.__dict__[name] = timer.wrap(real, name, 0)
+        for name in REPLICATE_CALLS:
+            self.__dict__[name] = timer.wrap(real, name, _REPLICATE)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._real, name)
         if not name.startswith("__"):
             self.__dict__[name] = value
         return value
-
-    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timer.timed(self._real.all_gather_single, 0, args, kwargs)
-
-    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timer.timed(self._real.reduce_scatter_single, 0, args, kwargs)
-
-    def all_gather_into_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timer.timed(self._real.all_gather_into_tensor, 0, args, kwargs)
-
-    def reduce_scatter_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timer.timed(self._real.reduce_scatter_tensor, 0, args, kwargs)
-
-    def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timer.timed(self._real.all_reduce, _REPLICATE, args, kwargs)
 
 
 def _collectives_module() -> ModuleType | None:
