@@ -40,6 +40,20 @@ class ErrorReporter:
                 pass
         return first
 
+    def notice(self, kind: str, message: str) -> bool:
+        """Print ``message`` once per kind, like ``report``, without counting a failure:
+        something the user should know that is not an error (a feature skipped)."""
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            try:
+                sys.stderr.write(f"{PREFIX} {message}\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
+        return first
+
     def count(self, kind: str) -> None:
         """Count a failure without printing (expected, already explained ones)."""
         with self._lock:

@@ -203,7 +203,9 @@ class Runtime:
                     **({"fingerprint_every": self.config.fingerprint_every} if self.config.fingerprint_every else {}),
                     # The tracer warns once per kind with an unprefixed message; one reporter
                     # key per kind so every kind's first failure prints (with one prefix).
-                    warn=lambda kind, msg: self.reporter.report(f"tracer:{kind}", msg),
+                    # "notice:" kinds (ErrorGate.notice) are said once but are not failures.
+                    warn=lambda kind, msg: (self.reporter.notice if kind.startswith("notice:") else
+                                            self.reporter.report)(f"tracer:{kind}", msg),
                 )
             except Exception as exc:
                 self.reporter.report("tracer", f"step capture unavailable ({exc!r}); sending resource samples only")

@@ -33,9 +33,10 @@ class ErrorGate:
             pass
 
     def notice(self, kind: str, message: str) -> None:
-        """One line for the user (not a failure, not counted); the caller's printer says it once per kind."""
+        """One line for the user, not a failure: not counted here, and its kind is
+        "notice:" + ``kind`` so the caller's printer (agent.runtime) does not count it either."""
         try:
-            self._warn(kind, message)
+            self._warn("notice:" + kind, message)
         except Exception:
             pass
 

@@ -141,7 +141,7 @@ def test_fsdp2_collectives_are_timed_per_phase_and_change_nothing(tmp_path: Path
         assert res["same"], "timing the collectives changed what FSDP2 computed"
         # 3 units: an all-gather each in forward, again in backward, and a reduce-scatter
         assert res["calls"] == STEPS * 9
-        assert res["notices"] == ["deep_dive_fsdp2"]
+        assert res["notices"] == ["notice:deep_dive_fsdp2"]
         assert "layers" not in res["tables"]
         models = _rows(res["tables"]["models"])
         assert [(m["shard_degree"], m["replicate_degree"]) for m in models] == [(2, None)]
@@ -213,3 +213,13 @@ def test_steps_without_fsdp2_report_no_collective_time() -> None:
     (row,) = _rows(recorder.drain()["steps"])
     assert (row["fwd_comm_ns"], row["bwd_comm_ns"], row["replicate_comm_ns"], row["post_forward_bytes"]) == (
         None, None, None, None)
+
+
+def test_a_notice_is_said_once_and_is_not_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.errors import ErrorReporter
+
+    reporter = ErrorReporter()
+    assert reporter.notice("tracer:notice:deep_dive_fsdp2", "deep dive skipped")
+    assert not reporter.notice("tracer:notice:deep_dive_fsdp2", "deep dive skipped")
+    assert capsys.readouterr().err == "[traceml] deep dive skipped\n"
+    assert reporter.total() == 0

@@ -15,13 +15,13 @@ STEPS = 30
 STRAGGLERS = {"INPUT_STRAGGLER", "H2D_STRAGGLER", "COMPUTE_STRAGGLER", "WAIT_STRAGGLER", "STRAGGLER", "NODE_STRAGGLER"}
 
 
-def _run(tmp_path: Path, nproc: int, *args: str) -> tuple[dict[str, Any], Path]:
+def _run(tmp_path: Path, nproc: int, *args: str, **env_extra: str) -> tuple[dict[str, Any], Path, str]:
     db = tmp_path / "fsdp2.db"
     with DaemonProcess(db) as daemon:
-        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()))
+        env = base_env(TRACEML_DAEMON=daemon.address, TRACEML_RELAY_PORT=str(free_port()), **env_extra)
         done = torchrun(SCENARIO, ["--steps", str(STEPS), *args], nproc=nproc, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
-        return wait_for_steps(db, ranks=nproc, steps=STEPS), db
+        return wait_for_steps(db, ranks=nproc, steps=STEPS), db, done.stdout + done.stderr
 
 
 def _stragglers(s: dict[str, Any]) -> list[dict[str, Any]]:
@@ -33,7 +33,7 @@ def _by_rank(s: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_rank_slow_in_backward_is_the_only_straggler_and_the_summary_shows_wait_and_shards(tmp_path: Path) -> None:
-    s, db = _run(tmp_path, 2, "--ms", "40", "--slow-rank", "1")
+    s, db, _ = _run(tmp_path, 2, "--ms", "40", "--slow-rank", "1")
     assert s["topology"]["parallelism"] == "fsdp2"
     strag = _stragglers(s)
     assert [(v["name"], v["scope"].get("global_rank")) for v in strag] == [("COMPUTE_STRAGGLER", 1)], s["verdicts"]
@@ -57,14 +57,17 @@ def test_rank_slow_in_backward_is_the_only_straggler_and_the_summary_shows_wait_
     assert "FSDP2 (mesh replicate x shard" in text and "bwd wait" in text, text
 
 
-def test_balanced_fsdp2_job_names_no_straggler(tmp_path: Path) -> None:
-    s, _ = _run(tmp_path, 2, "--ms", "0")
+def test_balanced_fsdp2_job_names_no_straggler_and_says_the_deep_dive_was_skipped(tmp_path: Path) -> None:
+    s, _, out = _run(tmp_path, 2, "--ms", "0", TRACEML_DEEP_DIVE="1", TRACEML_DEEP_DIVE_EVERY="1")
     assert _stragglers(s) == [], s["verdicts"]
     assert all(r["collective_wait_ms_median"]["backward"] is not None for r in s["ranks"])
+    # one line per rank, a notice rather than an error
+    assert out.count("[traceml] per-layer deep dive skipped: FSDPMLP is FSDP2") == 2, out
+    assert s["delivery"]["agent_agent_errors"] == 0, s["delivery"]
 
 
 def test_hsdp_names_the_slow_rank_and_reports_both_mesh_dimensions(tmp_path: Path) -> None:
-    s, _ = _run(tmp_path, 4, "--hsdp", "--ms", "40", "--slow-rank", "2")
+    s, _, _ = _run(tmp_path, 4, "--hsdp", "--ms", "40", "--slow-rank", "2")
     strag = _stragglers(s)
     assert [(v["name"], v["scope"].get("global_rank")) for v in strag] == [("COMPUTE_STRAGGLER", 2)], s["verdicts"]
     for r in _by_rank(s):
