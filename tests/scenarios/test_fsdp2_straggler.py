@@ -5,6 +5,7 @@ backward, and no other rank, from the collective wait the agent measured."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,10 @@ def test_rank_slow_in_backward_is_the_only_straggler_and_the_summary_shows_wait_
         assert r["memory"]["rss_bytes"] > 0
     text = cli("summary", "--db", str(db)).stdout
     assert "FSDP2 (mesh replicate x shard" in text and "bwd wait" in text, text
+    # compare reads the whole run its own way: the same verdict there
+    compared = json.loads(cli("compare", str(db), str(db), "--json").stdout)
+    assert [(v["name"], v["scope"].get("global_rank")) for v in compared["verdicts"]["a"]
+            if v["name"] in STRAGGLERS] == [("COMPUTE_STRAGGLER", 1)], compared["verdicts"]
 
 
 def test_balanced_fsdp2_job_names_no_straggler_and_says_the_deep_dive_was_skipped(tmp_path: Path) -> None:

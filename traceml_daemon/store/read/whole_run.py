@@ -17,7 +17,7 @@ from traceml_daemon.analysis.fingerprints import Series
 from traceml_daemon.analysis.model import PHASES, RankData, RunData
 from traceml_daemon.analysis.scalars import first_nonfinite, scalar_key
 from traceml_daemon.store.gc_pause import gc_paused
-from traceml_daemon.store.read import fingerprints
+from traceml_daemon.store.read import fingerprints, fsdp2
 from traceml_daemon.store.read.runs import RunRef, UnknownSession, resolve_run
 from traceml_daemon.store.schema import RANK_GROUP
 
@@ -128,6 +128,8 @@ def _load(con: sqlite3.Connection, path: str, wanted: str | None) -> tuple[RunRe
         (session, attempt),
     ):
         scalars.setdefault(scalar_key(name, global_rank), []).append((step, float(value)))
+    if parallelism == "fsdp2":  # the collective wait that tells a straggler from the ranks waiting for it
+        fsdp2.fill_steps(con, list(ranks.items()))
     data = RunData(ranks=list(ranks.values()), parallelism=parallelism, nonfinite=first_nonfinite(scalars),
                    fingerprints=fingerprints.evidence(con, run))
     return run, data, scalars
