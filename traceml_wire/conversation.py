@@ -15,6 +15,7 @@ shells; the wire itself is described in ``traceml_wire.messages``.
       \\--send_refuse--> CLOSED   ---refuse---------->  Refused: CLOSED
     OPEN: Batch / RelayBatch events, send_ack  <-->  send_batch / send_rbatch, Ack events
     OPEN: Bye event: CLOSED                    <---  send_bye: CLOSED
+    OPEN: send_control -------------------------->  Control event (ControlRefused: a bad one, counted)
     any protocol error after the hello: ProtocolFailure, FAILED (this connection only)
 
 Calling a ``send_*`` the state does not allow raises ``LocalProtocolError`` (a
@@ -34,6 +35,13 @@ hello MAC over the server's nonce; the server proves it with the accept's
 ``proof`` over the client's nonce (``traceml_wire.auth``). A client that holds
 a token and gets an accept without a valid proof sees ``Unverified`` and must
 send nothing on that connection.
+
+Control: a client that lists ``"control"`` in its hello's ``caps`` may be sent
+``control`` requests once open (``send_control``). A malformed one comes back as
+``ControlRefused`` and leaves the connection open (the shell counts it); a
+control sent to a client that never listed the capability is a protocol error.
+A server never sends one to a client that did not list it, so older clients,
+which know no such type, never see one.
 """
 
 from __future__ import annotations
@@ -122,6 +130,7 @@ class Hello:
     sender: str
     session: str
     identity: dict[str, Any]
+    caps: frozenset[str] = frozenset()  # what the client can be sent (messages.KNOWN_CAPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +181,27 @@ class ProtocolFailure:
     declared: int | None = None
 
 
-Event = Challenge | Accepted | Refused | Ack | Unverified | Hello | BadHello | Batch | RelayBatch | Bye | ProtocolFailure
+@dataclass(frozen=True, slots=True)
+class Control:
+    """Client: a request from the server (validated), for the agent ``sender``."""
+
+    op: str
+    sender: str
+    steps: int
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRefused:
+    """Client: a control message that failed validation; dropped, the connection stays open."""
+
+    reason: str
+
+
+Event = (
+    Challenge | Accepted | Refused | Ack | Unverified | Hello | BadHello | Batch | RelayBatch | Bye | ProtocolFailure
+    | Control | ControlRefused
+)
 
 # States in which frames are not taken from the decoder.
 _NOT_READING = frozenset({State.SEND_CHALLENGE, State.DECIDE, State.MUST_REFUSE, State.CLOSED, State.FAILED})
@@ -300,6 +329,18 @@ class ServerConnection(_Connection):
             reason = reason.replace(self._token, "<token>")  # a refusal is read by unauthenticated peers
         return encode_frame(messages.refuse(reason))
 
+    def send_control(self, op: str, sender: str, steps: int, request_id: str) -> bytes:
+        """A request for the agent ``sender``, to a client whose hello listed the capability."""
+        self._require(State.OPEN, action="send a control")
+        assert self.hello is not None
+        if messages.CAP_CONTROL not in self.hello.caps:
+            raise LocalProtocolError("the peer did not list the control capability in its hello")
+        try:
+            message = messages.validate_control(messages.control(op, sender, steps, request_id))
+        except ProtocolError as exc:
+            raise LocalProtocolError(f"bad control: {exc}") from None
+        return encode_frame(message)
+
     def send_ack(self, seq: int) -> bytes:
         """Acknowledge every batch up to ``seq`` (cumulative)."""
         self._require(State.OPEN, action="ack")
@@ -376,7 +417,7 @@ class ServerConnection(_Connection):
             return self._bad_hello("bad token (hello MAC does not verify)")
         self.state = State.DECIDE
         self._cnonce = message.get("cnonce")
-        self.hello = Hello(role, sender, message["session"], message["identity"])
+        self.hello = Hello(role, sender, message["session"], message["identity"], message["caps"])
         return self.hello
 
 
@@ -396,18 +437,26 @@ class ClientConnection(_Connection):
         self.last_seq = 0  # accept.last_seq
         self.verified = False
         self._sent_seq = 0  # highest batch seq sent, or last_seq before any
+        self.caps: frozenset[str] = frozenset()  # what this side listed in its hello
 
     # ----------------------------------------------------------- outbound
 
-    def send_hello(self, *, role: str, sender: str, session: str, identity: dict[str, Any]) -> bytes:
+    def send_hello(
+        self, *, role: str, sender: str, session: str, identity: dict[str, Any], caps: tuple[str, ...] = ()
+    ) -> bytes:
+        """``caps``: what this client can be sent besides acks (``messages.CAP_CONTROL``)."""
         self._require(State.SEND_HELLO, action="send a hello")
         if role not in messages.ROLES:
             raise LocalProtocolError(f"unknown role {role!r}")
+        unknown = set(caps) - messages.KNOWN_CAPS
+        if unknown:
+            raise LocalProtocolError(f"unknown capabilities {sorted(unknown)}")
         self.state = State.AWAIT_ACCEPT
-        self.role, self.sender = role, sender
+        self.role, self.sender, self.caps = role, sender, frozenset(caps)
         mac = auth.hello_mac(self._token, self._snonce, role, sender)
         return encode_frame(
-            messages.hello(role=role, sender=sender, session=session, identity=identity, mac=mac, cnonce=self.cnonce)
+            messages.hello(role=role, sender=sender, session=session, identity=identity, mac=mac, cnonce=self.cnonce,
+                           caps=tuple(caps))
         )
 
     def send_batch(self, seq: int, body: bytes) -> bytes:
@@ -451,6 +500,8 @@ class ClientConnection(_Connection):
     # ------------------------------------------------------------ inbound
 
     def _on_message(self, message: dict[str, Any], nbytes: int) -> Event:
+        if message["t"] == messages.CONTROL:
+            return self._on_control(message)
         message = messages.validate_server_message(message)
         kind = message["t"]
         if kind == messages.REFUSE:
@@ -474,6 +525,15 @@ class ClientConnection(_Connection):
         if seq > self._sent_seq:
             return self._broken(f"ack {seq} for a batch never sent (highest {self._sent_seq})")
         return Ack(seq)
+
+    def _on_control(self, message: dict[str, Any]) -> Event:
+        if self.state is not State.OPEN or messages.CAP_CONTROL not in self.caps:
+            return self._broken("control from a server this client did not offer the capability to")
+        try:
+            clean = messages.validate_control(message)
+        except ProtocolError as exc:
+            return ControlRefused(str(exc))  # one bad request; the telemetry stream goes on
+        return Control(clean["op"], clean["sender"], clean["steps"], clean["id"])
 
     def _on_accept(self, message: dict[str, Any]) -> Event:
         last_seq = message["last_seq"]

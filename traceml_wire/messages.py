@@ -7,6 +7,8 @@ Conversation on every connection (server = relay for agents, daemon for relays):
     server -> accept    {v, last_seq[, proof]}   or  refuse {reason} and close
     client -> batch ...  (numbered)        server -> ack {seq}
     client -> bye                           (clean end of stream)
+    server -> control   {op, sender, steps, id}  (only to a client whose hello listed
+                        "control" in ``caps``; see ``validate_control``)
 
 ``cnonce`` (the client's own nonce) and ``proof`` (the server's HMAC over it,
 see ``auth.accept_proof``) make the authentication mutual when a token is set;
@@ -55,6 +57,18 @@ RELAY_BATCH = "rbatch"
 ACK = "ack"
 BYE = "bye"
 
+# A request down an open connection (daemon -> relay -> agent), e.g. "profile the next
+# K steps of that rank". Sent only to a client whose hello's ``caps`` lists CAP_CONTROL:
+# an older client, which would take an unknown type for a protocol error, never sees one.
+CONTROL = "control"
+CAP_CONTROL = "control"
+KNOWN_CAPS = frozenset({CAP_CONTROL})
+MAX_CAPS = 16  # entries of a hello's caps list read at most
+OP_PROFILE = "profile"
+CONTROL_OPS = frozenset({OP_PROFILE})
+MAX_PROFILE_STEPS = 100  # steps one profile request may ask for
+MAX_CONTROL_ID_CHARS = 64
+
 ROLE_AGENT = "agent"
 ROLE_RELAY = "relay"
 ROLES = frozenset({ROLE_AGENT, ROLE_RELAY})
@@ -68,7 +82,8 @@ def challenge(nonce: bytes) -> dict[str, Any]:
 
 
 def hello(
-    *, role: str, sender: str, session: str, identity: dict[str, Any], mac: bytes, cnonce: bytes | None = None
+    *, role: str, sender: str, session: str, identity: dict[str, Any], mac: bytes, cnonce: bytes | None = None,
+    caps: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     message = {
         "t": HELLO,
@@ -81,6 +96,8 @@ def hello(
     }
     if cnonce is not None:
         message["cnonce"] = cnonce
+    if caps:
+        message["caps"] = list(caps)
     return message
 
 
@@ -122,6 +139,11 @@ def ack(seq: int) -> dict[str, Any]:
 
 def bye() -> dict[str, Any]:
     return {"t": BYE}
+
+
+def control(op: str, sender: str, steps: int, request_id: str) -> dict[str, Any]:
+    """A request for the agent ``sender`` (relays pass it on to that agent's connection)."""
+    return {"t": CONTROL, "op": op, "sender": sender, "steps": steps, "id": request_id}
 
 
 # ---------------------------------------------------------------- validation
@@ -193,6 +215,7 @@ def validate_client_message(
         if cnonce is not None and (not isinstance(cnonce, bytes) or not 8 <= len(cnonce) <= 64):
             raise ProtocolError("hello cnonce must be 8..64 bytes")
         message["identity"] = clean_identity(message.get("identity", {}))
+        message["caps"] = clean_caps(message.get("caps"))
     elif kind == BATCH:
         _seq(message)
         _require(message, "body", bytes)
@@ -248,3 +271,36 @@ def validate_server_message(message: dict[str, Any]) -> dict[str, Any]:
     elif kind == ACK:
         _seq(message)
     return message
+
+
+def clean_caps(raw: object) -> frozenset[str]:
+    """The known capabilities a hello lists; anything else (a non-list, unknown names,
+    entries past MAX_CAPS) reads as not stated: an optional field never fails a hello."""
+    if not isinstance(raw, list):
+        return frozenset()
+    return frozenset(c for c in raw[:MAX_CAPS] if type(c) is str and c in KNOWN_CAPS)
+
+
+def validate_control(message: dict[str, Any]) -> dict[str, Any]:
+    """Check a control message (either hop); return it cleaned or raise ProtocolError.
+
+    Every field is bounded: a known op, a sender as in a hello (1..200 characters),
+    1..MAX_PROFILE_STEPS steps, a printable id of 1..MAX_CONTROL_ID_CHARS characters."""
+    op = message.get("op")
+    if type(op) is not str or op not in CONTROL_OPS:
+        raise ProtocolError(f"control op must be one of {sorted(CONTROL_OPS)}")
+    sender = message.get("sender")
+    if type(sender) is not str or not 0 < len(sender) <= 200:
+        raise ProtocolError("control sender must be 1..200 characters")
+    steps = message.get("steps")
+    if type(steps) is not int or not 1 <= steps <= MAX_PROFILE_STEPS:
+        raise ProtocolError(f"control steps must be an int from 1 to {MAX_PROFILE_STEPS}")
+    request_id = message.get("id")
+    if (
+        type(request_id) is not str
+        or not 0 < len(request_id) <= MAX_CONTROL_ID_CHARS
+        or not request_id.isascii()
+        or not request_id.isprintable()
+    ):
+        raise ProtocolError(f"control id must be 1..{MAX_CONTROL_ID_CHARS} printable ASCII characters")
+    return {"t": CONTROL, "op": op, "sender": sender, "steps": steps, "id": request_id}
