@@ -8,6 +8,10 @@ console path never waits on anything but the console itself: lines go to a
 bounded buffer (a byte cap, a line-rate bucket), and what does not fit is
 dropped and counted, never waited for. ``stop()`` restores the original
 descriptors and reads what is still in the pipes (a traceback printed at exit).
+Children that inherited a pipe (DataLoader workers, subprocesses) may write on
+after that: the reader keeps copying their bytes to the console, uncaptured,
+until the last of them closes it, so none of them ever blocks on a full pipe or
+dies of a closed one.
 
 A process killed outright (abort, a fatal signal) takes with it what the reader
 had not copied yet; Python's fault handler, when enabled, writes to the original
@@ -87,6 +91,7 @@ class OutputCapture:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._drained = threading.Event()  # stopping, and what was written before stop() is read
         self._restore_lock = threading.Lock()
         self._seq = 0
         self._faulthandler = False  # it was enabled at start: pointed at the original stderr meanwhile
@@ -150,9 +155,8 @@ class OutputCapture:
                 stream.flush()
         self._restore()
         self._stop.set()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._close_fds()
+        # The reader closes the pipes itself once every writer is gone (children may hold them).
+        self._drained.wait(timeout)
 
     def _restore(self) -> None:
         with self._restore_lock:
@@ -183,6 +187,9 @@ class OutputCapture:
             if self._warn is not None:
                 with contextlib.suppress(Exception):
                     self._warn(f"output capture stopped ({exc!r}); output goes to the console only")
+        finally:
+            self._drained.set()
+            self._close_fds()
 
     def _loop(self) -> None:
         by_fd = {s.read_fd: s for s in self._streams}
@@ -190,12 +197,17 @@ class OutputCapture:
         for fd in by_fd:
             poller.register(fd, select.POLLIN)
         while by_fd:
-            stopping = self._stop.is_set()
+            passing_through = self._drained.is_set()
+            stopping = self._stop.is_set() and not passing_through
             ready = poller.poll(0 if stopping else 250)
             if not ready:
                 if stopping:
-                    return  # the pipes are empty and nobody writes to them any more
-                self._flush_partials(False)
+                    # What the process wrote before stop() is read: from now on only children
+                    # that inherited a pipe write here, and their bytes go to the console only.
+                    self._flush_partials(True)
+                    self._drained.set()
+                elif not passing_through:
+                    self._flush_partials(False)
                 continue
             for fd, _events in ready:
                 s = by_fd[fd]
@@ -209,8 +221,10 @@ class OutputCapture:
                     s.open = False
                     continue
                 self._console(s, data)
-                self._lines(s, data)
-        self._flush_partials(True)
+                if not passing_through:
+                    self._lines(s, data)
+        if not self._drained.is_set():
+            self._flush_partials(True)
 
     def _console(self, s: _Stream, data: bytes) -> None:
         """The bytes to the original descriptor, all of them, before anything else."""

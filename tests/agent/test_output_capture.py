@@ -160,3 +160,39 @@ def test_a_hard_crash_still_reaches_the_console() -> None:
     done = subprocess.run([sys.executable, "-c", _CRASH], env=base_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "Fatal Python error: Segmentation fault" in done.stderr
+
+
+_INHERITED_WRITER = """
+import os, sys
+fd = int(sys.argv[1])
+sys.stdin.read()  # written only once the parent's capture has stopped
+block = b"w" * 65535 + b"\\n"
+for _ in range(48):  # 3 MiB: more than the pipe holds, with nobody capturing any more
+    os.write(fd, block)
+"""
+
+
+def test_a_child_writing_after_stop_is_passed_through_and_never_blocks(tmp_path: Path) -> None:
+    """A child that inherited the captured descriptor (a DataLoader worker, a subprocess)
+    may write after stop(): its bytes reach the console, it neither blocks nor dies."""
+    fd, path = _captured_fd(tmp_path)
+    capture = OutputCapture(fds=(fd,))
+    capture.start()
+    os.write(fd, b"before stop\n")
+    inherited = os.dup(fd)  # the pipe, as a forked worker holds it
+    child = subprocess.Popen([sys.executable, "-c", _INHERITED_WRITER, str(inherited)], pass_fds=(inherited,),
+                             stdin=subprocess.PIPE)
+    os.close(inherited)
+    capture.stop()
+    assert child.stdin is not None
+    child.stdin.close()  # go
+    assert child.wait(120) == 0  # a liveness bound: a child blocked on a full pipe never exits
+    thread = capture._thread
+    assert thread is not None
+    thread.join(60)  # the last writer closed the pipe: the reader ends and closes it
+    assert not thread.is_alive()
+    os.close(fd)
+    text = path.read_bytes()
+    assert text.startswith(b"before stop\n")
+    assert text.count(b"w" * 65535 + b"\n") == 48
+    assert [r[3] for r in _rows(capture)][0] == "before stop"
