@@ -11,6 +11,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -20,6 +21,8 @@ from traceml_wire.conversation import ClientConnection, State
 from traceml_wire.errors import ProtocolError
 from traceml_wire.limits import set_keepalive
 
+# Control requests held between two reads of the sender loop; more are dropped (counted).
+MAX_CONTROLS = 8
 CONNECT_TIMEOUT_S = 1.0  # loopback: a healthy relay answers in microseconds
 IO_TIMEOUT_S = 2.0
 # TCP keepalive (idle, interval, count), as the servers set it on their side: an agent
@@ -55,6 +58,9 @@ class Link:
         self.conn = conn
         self._cancel = cancel
         self.io_timeout = IO_TIMEOUT_S
+        # Requests the relay passed down (conversation.Control), taken by the sender loop.
+        self.controls: deque[conversation.Control] = deque()
+        self.controls_refused = 0  # malformed ones and those past MAX_CONTROLS
 
     @classmethod
     def open(
@@ -82,7 +88,8 @@ class Link:
                 for event in link._events(deadline):
                     if isinstance(event, conversation.Challenge):
                         link.send(link.conn.send_hello(role=messages.ROLE_AGENT, sender=hello.sender,
-                                                       session=hello.session, identity=hello.identity))
+                                                       session=hello.session, identity=hello.identity,
+                                                       caps=(messages.CAP_CONTROL,)))
                     elif isinstance(event, conversation.Accepted):
                         return link, event.last_seq  # nothing follows an accept until we send
                     else:
@@ -140,6 +147,15 @@ class Link:
             if not data:
                 raise ConnectionError("relay closed the connection")
             for event in self.conn.receive_data(data):
+                if isinstance(event, conversation.Control):
+                    if len(self.controls) < MAX_CONTROLS:
+                        self.controls.append(event)
+                    else:
+                        self.controls_refused += 1
+                    continue
+                if isinstance(event, conversation.ControlRefused):
+                    self.controls_refused += 1
+                    continue
                 if not isinstance(event, conversation.Ack):
                     self._fail(event)
                 best = max(best, event.seq)

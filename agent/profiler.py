@@ -6,7 +6,9 @@ step boundary, ``at_step(index)`` (called as a step is entered) stops it once
 still open (shutdown). Every file written is reported through ``on_written``
 (rank, first step, steps covered, path) for the ``profiles`` table.
 
-Two triggers use it. Steps traced by ``agent.trace_step``: the step tracer's
+Three triggers use it. A request from the daemon (``traceml-daemon profile``,
+``agent.control``): the sender thread sets ``requested`` to K and the next step
+enter opens a profile of K steps. Steps traced by ``agent.trace_step``: the step tracer's
 out-of-line branch calls ``at_step`` while a listed step is ahead (``armed``),
 and only then; with no ``profile_steps`` nothing is armed and a step runs no
 profiler code at all. Spans carrying ``enable_profiler=True`` and a listed
@@ -62,18 +64,24 @@ class StepProfiler:
         self._first = 0
         self._stop_at = 0
         self.written: list[str] = []
+        # Steps a control request asked for (set by the sender thread, taken at a step enter).
+        self.requested: int | None = None
 
     @property
     def armed(self) -> bool:
         """A listed step is ahead or a profile is open: the step tracer must call ``at_step``."""
-        return bool(self.pending) or self._prof is not None
+        return bool(self.pending) or self._prof is not None or self.requested is not None
 
     def at_step(self, index: int) -> None:
         """Called as step ``index`` is entered (training thread)."""
         try:
             if self._prof is not None and index >= self._stop_at:
                 self.stop()
-            if index in self.pending:
+            requested = self.requested
+            if requested is not None and self._prof is None:
+                self.requested = None
+                self.start(index, requested)
+            elif index in self.pending:
                 self.start(index, self.steps_each)
             elif self.pending and index > max(self.pending):
                 self.pending.clear()  # the listed steps went by (a restart past them)

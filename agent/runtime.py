@@ -166,6 +166,7 @@ class Runtime:
         self._fail_open = False
         self._builder: Any = None
         self.output: Any = None  # agent.output_capture.OutputCapture while the rank's output is captured
+        self._control: Any = None  # agent.control.ControlHandler, made at the first request
         self.sender = Sender(
             source=self._make_builder,
             hello=self._hello,
@@ -177,6 +178,7 @@ class Runtime:
             reporter=self.reporter,
             prepare=self._prepare,
             on_reconnect=self._on_reconnect,
+            on_control=self._on_control,
         )
 
     # --------------------------------------------------------------- lifecycle
@@ -355,7 +357,17 @@ class Runtime:
             reporter=self.reporter,
         )
 
+    def _on_control(self, control: Any) -> None:
+        """A request the daemon sent down (sender thread): see agent.control."""
+        if self._control is None:
+            from agent.control import ControlHandler
+
+            self._control = ControlHandler(self)
+        self._control(control)
+
     def _extra_tables(self) -> dict[str, dict[str, list[Any]]]:
+        if self._control is not None:
+            self._control.keep_armed()  # a profile request still waiting for its step
         tables = self.sessions.take()
         spans = self.spans.take()
         if spans is not None:

@@ -24,6 +24,7 @@ from agent.errors import PREFIX, ErrorReporter
 from agent.link import IO_TIMEOUT_S, Cancelled, HelloInfo, Link, Refused, Unverified
 from traceml_wire import messages
 from traceml_wire.body import encode_body
+from traceml_wire.conversation import Control
 from traceml_wire.errors import ProtocolError
 from traceml_wire.framing import MAX_AGENT_BODY_BYTES, encode_frame
 from traceml_wire.printable import printable
@@ -167,6 +168,7 @@ class Sender:
         reporter: ErrorReporter,
         prepare: Callable[[], None] | None = None,
         on_reconnect: Callable[[], None] | None = None,
+        on_control: Callable[[Control], None] | None = None,
     ) -> None:
         self._source_factory = source
         self._hello_factory = hello
@@ -178,6 +180,7 @@ class Sender:
         self._reporter = reporter
         self._prepare = prepare
         self._on_reconnect = on_reconnect
+        self._on_control = on_control  # a request the relay passed down (agent.control)
         self._wake = threading.Event()
         self._stop_requested = False
         self._stop_deadline = 0.0
@@ -338,6 +341,7 @@ class Sender:
                     self._ack(link.read_acks(min(0.05, max(0.0, self._remaining()))))
             else:
                 self._ack(link.read_acks(0.0))
+            self._take_controls(link)
         except Refused as exc:
             self._on_refused(str(exc))
             self._drop_link()
@@ -402,6 +406,23 @@ class Sender:
         self._ack(last_seq)
         # Everything above the relay's high-water mark goes again, in order.
         self._sent_upto = max(last_seq, self.acked)
+
+    def _take_controls(self, link: Link) -> None:
+        """Hand the requests the relay passed down to the runtime (this thread; never the training one)."""
+        if link.controls_refused:
+            for _ in range(link.controls_refused):
+                self._reporter.count("control-refused")
+            link.controls_refused = 0
+        while link.controls:
+            control = link.controls.popleft()
+            if self._hello is None or control.sender != self._hello.sender:
+                self._reporter.count("control-misrouted")  # meant for another rank: never acted on
+                continue
+            if self._on_control is not None:
+                try:
+                    self._on_control(control)
+                except Exception as exc:  # a request gone wrong must not stop telemetry
+                    self._reporter.report("control", f"control request {control.op!r} failed: {exc!r}")
 
     def _schedule_retry(self, delay: float) -> None:
         # Jitter spreads the reconnects of many ranks after a relay restart.
