@@ -119,6 +119,9 @@ class NodeRelay:
         )
         self.stats = self.upstream.stats
         self._held: dict[str, int] = {}  # agent sender -> highest seq held (dedup high-water)
+        # Agent sender -> its open connection: where the daemon's control requests go.
+        self._agents: dict[str, Wire] = {}
+        self.upstream.on_control = self._route_control
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._wires: set[Wire] = set()
@@ -250,10 +253,13 @@ class NodeRelay:
             if sender is None:
                 return
             self.stats.agents_connected += 1
+            self._agents[sender] = wire  # a reconnect replaces an older connection of the same sender
             try:
                 await self._receive_batches(wire, frames, sender)
             finally:
                 self.stats.agents_connected -= 1
+                if self._agents.get(sender) is wire:
+                    del self._agents[sender]
         except ConnectionClosed:
             pass
         except ProtocolError as exc:
@@ -288,6 +294,17 @@ class NodeRelay:
         self.upstream.peers[event.sender] = event.identity
         await wire.send(wire.conn.send_accept(self._held.get(event.sender, 0)))
         return event.sender
+
+    def _route_control(self, control: conv.Control) -> None:
+        """A request from the daemon, down to the one agent it names (never to any other)."""
+        wire = self._agents.get(control.sender)
+        hello = wire.conn.hello if wire is not None else None
+        if wire is None or hello is None or wm.CAP_CONTROL not in hello.caps or wire.writer.is_closing():
+            self.stats.controls_dropped += 1  # the daemon's CLI then reports that no trace arrived
+            return
+        # One write of one small frame: it never interleaves with an ack's frame.
+        wire.writer.write(wire.conn.send_control(control.op, control.sender, control.steps, control.request_id))
+        self.stats.controls_forwarded += 1
 
     async def _refuse(self, wire: Wire, reason: str) -> None:
         self.stats.refused_agents += 1

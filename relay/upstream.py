@@ -21,6 +21,7 @@ import os
 import ssl
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
@@ -62,6 +63,9 @@ class RelayStats:
     rbatches_sent: int = 0
     rbatches_acked: int = 0
     upstream_connects: int = 0
+    controls_forwarded: int = 0  # control requests passed down to their agent
+    controls_dropped: int = 0  # for an agent not connected here, or one that cannot take them
+    controls_refused: int = 0  # malformed control messages from the daemon
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -132,6 +136,8 @@ class Upstream:
         self._wire: Wire | None = None
         self._said_bye = False
         self._warned: set[str] = set()
+        # Where a control request from the daemon goes (NodeRelay routes it to its agent).
+        self.on_control: Callable[[conv.Control], None] = lambda control: None
 
     # ------------------------------------------------------------ intake
 
@@ -370,7 +376,8 @@ class Upstream:
                 if isinstance(event, conv.Challenge):
                     identity = {**self.node, "pid": os.getpid()}
                     await wire.send(wire.conn.send_hello(role=wm.ROLE_RELAY, sender=self.sender,
-                                                         session=self.session, identity=identity))
+                                                         session=self.session, identity=identity,
+                                                         caps=(wm.CAP_CONTROL,)))
                 elif isinstance(event, conv.Accepted):
                     return event.last_seq
                 else:
@@ -399,6 +406,12 @@ class Upstream:
     async def _read_acks(self, wire: Wire) -> None:
         while True:
             for event in await wire.events():
+                if isinstance(event, conv.Control):
+                    self.on_control(event)
+                    continue
+                if isinstance(event, conv.ControlRefused):
+                    self.stats.controls_refused += 1
+                    continue
                 if not isinstance(event, conv.Ack):
                     self._fail(event)
                 self.ack(event.seq)
