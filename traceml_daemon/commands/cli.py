@@ -36,6 +36,7 @@ LAZY: dict[str, tuple[str, str]] = {
     "validate": ("traceml_daemon.commands.validate", "check a database or relay spool for damage (exit 3)"),
     "logs": ("traceml_daemon.commands.logs", "rank output, identical lines folded across ranks, errors first"),
     "inspect": ("traceml_daemon.commands.inspect", "everything every rank recorded at one step"),
+    "profile": ("traceml_daemon.commands.profile", "profile a running rank's next steps with torch.profiler"),
     "sessions": ("traceml_daemon.commands.sessions", "rollout session records (AReaL JSONL layout) and their summary"),
 }
 

@@ -30,6 +30,7 @@ from traceml_daemon.net.acks import AckWriter
 from traceml_daemon.net.inbound import ByteQueue, QueueClosed
 from traceml_daemon.net.listener import address_of
 from traceml_daemon.net.peer import Batch, as_batch, new_connection, tls_hint
+from traceml_daemon.net.routes import ControlRoutes, RoutedConnection
 from traceml_wire import conversation as conv
 from traceml_wire import messages
 from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
@@ -95,6 +96,8 @@ class PeerHandler:
         self.inbound = ByteBudget(limits.inbound_bytes)
         # Evictions come as fast as someone opens sockets: their lines are held to a rate.
         self._lines = LineLimiter()
+        # Which connection carries which agent, for control requests (net/routes.py).
+        self.routes = ControlRoutes()
 
     # ------------------------------------------------------------ admission
 
@@ -204,8 +207,13 @@ class PeerHandler:
             return
         if hello is None:
             return
-        while await self._take_frame(peer, conn, hello, frames, acks):
-            pass
+        route = self.routes.open(hello, conn, writer)
+        try:
+            while await self._take_frame(peer, conn, hello, frames, acks, route):
+                pass
+        finally:
+            if route is not None:
+                self.routes.close(route)
 
     async def _await_hello(
         self, slot: Slot, conn: conv.ServerConnection, frames: ServerReader, writer: asyncio.StreamWriter
@@ -252,7 +260,8 @@ class PeerHandler:
             await writer.drain()
 
     async def _take_frame(
-        self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, frames: ServerReader, acks: AckWriter
+        self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, frames: ServerReader, acks: AckWriter,
+        route: RoutedConnection | None = None,
     ) -> bool:
         """Read one frame, its body under the inbound budget, and act on it; False once
         the connection must close.
@@ -269,7 +278,7 @@ class PeerHandler:
                     log.info("disconnect %s (%s)%s", peer, printable(hello.sender), where)
                     return False
                 for event in events:
-                    if not await self._on_event(peer, hello, event, acks):
+                    if not await self._on_event(peer, hello, event, acks, route):
                         return False
                 return True
         except ReadTimeout as exc:
@@ -281,10 +290,15 @@ class PeerHandler:
             log.info("closing %s (%s): %s", peer, printable(hello.sender), exc)
             return False
 
-    async def _on_event(self, peer: str, hello: conv.Hello, event: conv.Event, acks: AckWriter) -> bool:
+    async def _on_event(
+        self, peer: str, hello: conv.Hello, event: conv.Event, acks: AckWriter, route: RoutedConnection | None = None
+    ) -> bool:
         """Act on one event of an accepted peer; False once the connection must close."""
         if isinstance(event, (conv.Batch, conv.RelayBatch)):
-            return await self._enqueue(hello, as_batch(hello, event), acks)
+            batch = as_batch(hello, event)
+            if route is not None:
+                self.routes.saw(route, batch.peers)
+            return await self._enqueue(hello, batch, acks)
         if isinstance(event, conv.ProtocolFailure):
             if event.oversize:
                 self.counters.oversize_frames += 1

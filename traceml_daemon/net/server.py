@@ -25,6 +25,7 @@ from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
+from traceml_daemon.net.control_requests import ControlRequests
 from traceml_daemon.net.handler import READ_BUFFER, PeerHandler
 from traceml_daemon.net.inbound import ByteBudget, ByteQueue
 from traceml_daemon.net.limits import DAEMON_LIMITS
@@ -78,6 +79,8 @@ class DaemonServer:
             # The writer makes its ingestor when it opens the database: looked up per hello.
             last_seq=lambda sender: self.writer.ingestor.last_seq(sender),
         )
+        # `traceml-daemon profile --db` requests, beside the database (net/control_requests.py).
+        self.controls = ControlRequests(config.db_path, self.peers.routes)
         self._tg: asyncio.TaskGroup | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.bound: tuple[str, int] | None = None
@@ -118,12 +121,14 @@ class DaemonServer:
                     print(f"listening on {self.config.host}:{port}", flush=True)
                     log.info("listening on %s:%d (db %s)", self.config.host, port, self.config.db_path)
                     writer_task = tg.create_task(self.writer.run(self.queue))
+                    controls = tg.create_task(self.controls.run())
                     memdebug = self._start_memdebug(tg)
                     await stop.wait()
                     log.info("stopping: draining %d queued batches", len(self.queue))
                     server.close()
                     await self.queue.close()  # handlers blocked in put() give up; those batches were never acked
                     await writer_task
+                    controls.cancel()
                     if memdebug is not None:
                         memdebug.cancel()
                     # Handlers are parked on reads; end them now that nothing more can be stored.

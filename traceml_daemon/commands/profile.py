@@ -1,0 +1,253 @@
+"""`traceml-daemon profile --db PATH --rank R --steps K [--session ID]`: profile a running rank.
+
+Asks rank R of a live run to record its next K steps with torch.profiler and
+waits for the trace file. How the request travels:
+
+  * CLI -> daemon: a request file in ``PATH.control/``, the directory the daemon
+    serving ``PATH`` creates (mode 0700) and polls; it answers with a result
+    file (``traceml_daemon.net.control_requests``). Whoever can write beside
+    the database can read all of it already: the directory's permissions are
+    the authentication, as the token is on the wire.
+  * daemon -> relay -> agent: a ``control`` message down the connections that
+    already exist, authenticated at their handshake, only on the connection that
+    carries rank R (``traceml_daemon.net.routes``, ``relay.node``); the agent
+    starts the profile at its next step boundary (``agent.control``).
+  * the trace: the agent writes it (TRACEML_PROFILE_DIR) and reports it in the
+    ``profiles`` table like ``profile_steps``; this command waits for that row.
+
+Errors name what was wrong (no such rank, the run finished, no daemon serving
+the database, an agent or relay too old to take the request) and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from traceml_daemon.net.control_requests import REQUEST_SUFFIX, RESULT_SUFFIX, control_dir, write_json
+from traceml_daemon.store import reader
+from traceml_wire import messages
+
+DEFAULT_DB = "traceml.db"
+ANSWER_TIMEOUT_S = 5.0  # the daemon polls its request directory several times a second
+DEFAULT_WAIT_S = 120.0  # for the trace: K steps plus a flush or two
+POLL_S = 0.2
+
+
+class ProfileError(Exception):
+    """What went wrong and what to do; exit 2."""
+
+
+@dataclass(frozen=True)
+class Requested:
+    """A request the daemon sent down: the rank's sender, and the profiles rows before it."""
+
+    request_id: str
+    session: str
+    rank: int
+    steps: int
+    profiles_before: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    rank: int
+    step: int
+    steps: int
+    path: str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default=DEFAULT_DB, help=f"the database a running daemon serves (default ./{DEFAULT_DB})")
+    parser.add_argument("--rank", type=int, required=True, help="the global rank to profile")
+    parser.add_argument("--steps", type=int, default=3,
+                        help=f"how many steps to record, 1..{messages.MAX_PROFILE_STEPS} (default 3)")
+    parser.add_argument("--session", default=None, help="this session (default: the latest run; `runs` lists them)")
+    parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S,
+                        help=f"seconds to wait for the trace (default {DEFAULT_WAIT_S:.0f}; 0: do not wait)")
+    parser.add_argument("--json", action="store_true", help="print the trace as JSON")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _run_ranks(db: str, session: str | None, rank: int) -> tuple[reader.RunRef, list[int]]:
+    """The run and the rank ids of ``rank`` in it; ProfileError when the rank is not in the run."""
+    conn = reader.open_readonly(db)
+    try:
+        run = reader.resolve_run(conn, session)
+        if run is None:
+            raise ProfileError(f"{db} holds no run yet: start the job, or check --db")
+        rows = reader.load_ranks(conn, run)
+    finally:
+        conn.close()
+    ids = [r.rank_id for r in rows if r.global_rank == rank]
+    if not ids:
+        from traceml_daemon.analysis.stats import rank_ranges
+
+        known = rank_ranges(r.global_rank for r in rows if r.global_rank is not None) or "none"
+        raise ProfileError(f"no rank {rank} in session {run.session} (ranks {known}): pick one of those with --rank")
+    return run, ids
+
+
+def _last_seen(db: str, rank_ids: list[int]) -> float | None:
+    conn = reader.open_readonly(db)
+    try:
+        marks = placeholders(rank_ids)
+        (seen,) = conn.execute(f"SELECT max(last_seen) FROM ranks WHERE rank_id IN ({marks})", rank_ids).fetchone()
+        return seen
+    finally:
+        conn.close()
+
+
+def placeholders(values: list[Any]) -> str:
+    return ",".join("?" * len(values))
+
+
+def _profiles_mark(conn: sqlite3.Connection) -> int:
+    """The highest profiles rowid now (0: none, or no table yet)."""
+    try:
+        (mark,) = conn.execute("SELECT coalesce(max(rowid), 0) FROM profiles").fetchone()
+    except sqlite3.OperationalError:
+        return 0
+    return int(mark)
+
+
+def new_traces(db: str, rank: int, rank_ids: list[int], after: int) -> list[Trace]:
+    """Trace files rank ``rank`` reported after profiles rowid ``after``."""
+    conn = reader.open_readonly(db)
+    try:
+        rows = conn.execute(
+            f"SELECT step, steps, path FROM profiles WHERE rowid > ? AND rank_id IN ({placeholders(rank_ids)}) "
+            "ORDER BY rowid",
+            [after, *rank_ids],
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        conn.close()
+    return [Trace(rank, int(step), int(steps), str(path)) for step, steps, path in rows if path]
+
+
+# ---------------------------------------------------------------- the request
+
+
+def request(db: str, rank: int, steps: int, session: str | None = None,
+            answer_timeout: float = ANSWER_TIMEOUT_S) -> Requested:
+    """Ask the daemon serving ``db`` to send the request down; ProfileError says why it could not."""
+    if not 1 <= steps <= messages.MAX_PROFILE_STEPS:
+        raise ProfileError(f"--steps {steps}: ask for 1 to {messages.MAX_PROFILE_STEPS} steps")
+    if not os.path.exists(db):
+        raise ProfileError(f"no database at {db}: give the --db a running `traceml-daemon serve` writes")
+    run, rank_ids = _run_ranks(db, session, rank)
+    directory = control_dir(db)
+    if not directory.is_dir():
+        raise ProfileError(f"no daemon serves {db} (no {directory}/): start `traceml-daemon serve --db {db}` "
+                           "(or `traceml-daemon launch`) and run the job under it")
+    conn = reader.open_readonly(db)
+    try:
+        before = _profiles_mark(conn)
+    finally:
+        conn.close()
+    request_id = secrets.token_hex(8)
+    body = {"op": messages.OP_PROFILE, "rank": rank, "steps": steps, "session": run.session}
+    try:
+        write_json(directory / f"{request_id}{REQUEST_SUFFIX}", body)
+    except OSError as exc:
+        raise ProfileError(f"cannot write the request into {directory}: {exc.strerror or exc}; "
+                           "run this as the user who runs the daemon") from None
+    answer = _await_answer(directory, request_id, answer_timeout)
+    if answer is None:
+        with contextlib.suppress(OSError):
+            (directory / f"{request_id}{REQUEST_SUFFIX}").unlink()
+        raise ProfileError(f"the daemon serving {db} did not answer within {answer_timeout:.0f} s: "
+                           f"is `traceml-daemon serve --db {db}` still running?")
+    if answer.get("status") != "sent":
+        message = str(answer.get("message", "refused"))
+        seen = _last_seen(db, rank_ids)
+        if "not connected" in message and seen is not None and time.time() - seen > 10:
+            message = (f"rank {rank} of session {run.session} is not connected: the run finished "
+                       f"(its last data {time.time() - seen:.0f} s ago); profile a running job")
+        raise ProfileError(message)
+    return Requested(request_id, run.session, rank, steps, before)
+
+
+def _await_answer(directory: Path, request_id: str, timeout: float) -> dict[str, Any] | None:
+    path = directory / f"{request_id}{RESULT_SUFFIX}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            answer = json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return answer if isinstance(answer, dict) else {"status": "refused", "message": "unreadable answer"}
+    return None
+
+
+def wait_for_trace(db: str, requested: Requested, wait: float) -> Trace | None:
+    """The trace the rank reports for the request, or None after ``wait`` seconds."""
+    _, rank_ids = _run_ranks(db, requested.session, requested.rank)
+    deadline = time.monotonic() + wait
+    while True:
+        found = new_traces(db, requested.rank, rank_ids, requested.profiles_before)
+        if found:
+            return found[0]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog="traceml-daemon profile",
+                                         description="Profile a running rank's next steps with torch.profiler.")
+        add_arguments(parser)
+        args = parser.parse_args(args)
+    try:
+        requested = request(args.db, args.rank, args.steps, args.session)
+        print(f"asked rank {args.rank} of session {requested.session} to profile its next {args.steps} steps",
+              file=sys.stderr, flush=True)
+        if args.wait <= 0:
+            return 0
+        trace = wait_for_trace(args.db, requested, args.wait)
+    except ProfileError as exc:
+        print(f"traceml-daemon profile: {exc}", file=sys.stderr)
+        return 2
+    except reader.StoreError as exc:
+        print(f"traceml-daemon profile: {exc}", file=sys.stderr)
+        return 2
+    except reader.UnknownSession as exc:
+        print(f"traceml-daemon profile: {args.db}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if trace is None:
+        print(f"traceml-daemon profile: no trace from rank {args.rank} within {args.wait:.0f} s: the rank may be "
+              "between steps for longer (wait with a larger --wait, then see `summary`), or its agent or relay is "
+              "too old to take requests", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(trace.__dict__))
+    else:
+        last = trace.step + trace.steps - 1
+        print(f"rank {trace.rank} steps {trace.step}-{last} ({trace.steps} steps): {trace.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
