@@ -28,8 +28,9 @@ reduce-scatter; replicate: HSDP's all-reduce):
 
 * CPU (gloo): host time inside the call. FSDP2's collectives are synchronous
   there unless the user asked for async unshard, so the call's duration is the
-  time the rank sat blocked, waiting for its peers included. An async op is
-  timed from launch to its future's completion (on the backend's thread).
+  time the rank sat blocked, waiting for its peers included. An async op (FSDP2
+  passes ``async_op`` by name) is timed from launch to its future's completion,
+  on the backend's thread: collective time, which may overlap compute.
 * CUDA (NCCL): FSDP2 makes the collective's own stream current around the call,
   so two pooled events recorded there (``EventBackend.mark``) bracket the
   collective kernel on the device; they are resolved off the training thread
