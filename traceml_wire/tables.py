@@ -188,6 +188,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("grad_norm", REAL),  # L2 norm of its gradient; None: no gradient
         ("grad_nonfinite", INT),  # NaN and infinite values in the gradient
         ("shard", INT),  # 1: the rank's local shard (FSDP2): the full norm adds the ranks' squares
+        ("param_sum", INT),  # the parameter's bits summed as integers, int32 wrapping: equal iff replicas agree
     ),
 }
 

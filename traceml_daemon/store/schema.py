@@ -12,7 +12,7 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -451,8 +451,28 @@ def _v11() -> list[str]:
     ]
 
 
+# ------------------------------------------- v12: fingerprints' bit sums
+# fingerprints gains param_sum: the parameter's bits summed as wrapping int32, the exact
+# equality witness replicas and runs are compared on (a float norm can round a one-ULP
+# change away). Rebuilt, not altered, as v10: a fresh database already has the column.
+# Old rows read NULL, not taken.
+
+_V12_OLD = "step, model_id, idx, layer, param_norm, grad_norm, grad_nonfinite, shard"
+
+
+def _v12() -> list[str]:
+    return [
+        "CREATE TABLE fingerprints_v12 (rank_id INTEGER NOT NULL, step INTEGER, model_id INTEGER, idx INTEGER, "
+        "layer TEXT, param_norm REAL, grad_norm REAL, grad_nonfinite INTEGER, shard INTEGER, param_sum INTEGER)",
+        f"INSERT INTO fingerprints_v12 (rowid, rank_id, {_V12_OLD}) SELECT rowid, rank_id, {_V12_OLD} FROM fingerprints",
+        "DROP TABLE fingerprints",
+        "ALTER TABLE fingerprints_v12 RENAME TO fingerprints",
+        f"CREATE INDEX fingerprints_by_group ON fingerprints (rank_id / {RANK_GROUP}, step, rank_id)",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10(), _v11()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10(), _v11(), _v12()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",
