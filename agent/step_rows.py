@@ -110,13 +110,18 @@ class StepRowsMixin:
         if rec.bwd_depth > 0:
             start = rec.bwd_end  # the start while backward runs
             wait = rec.comm_wait
-            # DDP launched this backward's last bucket: compute is over, the rank waits.
+            # DDP launched this backward's last bucket: compute is over, the rank waits; or
+            # the rank is blocked in an FSDP2 collective (until it returns).
             if wait > start:
                 return PH_WAIT, wait, step
             return PH_BACKWARD, start, step
         if rec.opt_depth > 0:
             return PH_OPTIMIZER, rec.opt_t0, step
         if rec.fwd_depth > 0:
+            wait = rec.comm_wait
+            # Blocked in an FSDP2 all-gather for a peer (agent.capture.fsdp2_comm sets it).
+            if wait > rec.fwd_t0:
+                return PH_WAIT, wait, step
             return PH_FORWARD, rec.fwd_t0, step
         return PH_WAIT, rec.ph_end, step
 

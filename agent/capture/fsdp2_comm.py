@@ -112,7 +112,12 @@ class Fsdp2Timer:
                         timer.calls += 1
                     except Exception as exc:
                         tracer._gate.fail("fsdp2_comm", exc)
-            work = fn(*args, **kwargs)
+            # status(): the training thread is blocked in a collective (DDP's marker, reused)
+            rec.comm_wait = t0
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                rec.comm_wait = 0
             try:
                 acc = getattr(rec, "fsdp", None)
                 if acc is None:

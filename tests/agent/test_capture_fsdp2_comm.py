@@ -223,3 +223,90 @@ def test_a_notice_is_said_once_and_is_not_a_failure(capsys: pytest.CaptureFixtur
     assert not reporter.notice("tracer:notice:deep_dive_fsdp2", "deep dive skipped")
     assert capsys.readouterr().err == "[traceml] deep dive skipped\n"
     assert reporter.total() == 0
+
+
+class Hold(torch.autograd.Function):
+    """Identity; in backward, rank 1 blocks until rank 0 has looked at its own status."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, box: Any) -> torch.Tensor:
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.box()
+        return grad, None
+
+
+def _hang_worker(rank: int, port: int, out: str, stuck: Any, release: Any) -> None:
+    import threading
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    tracer = Tracer(Recorder(), event_backend=None)
+    tracer.install()
+    seen: dict[str, Any] = {}
+    step_box = [0]
+
+    def hold() -> None:
+        if rank == 1 and step_box[0] == 1:
+            seen["own"] = tracer.status()  # the stuck rank: in its own backward
+            stuck.set()
+            seen["released"] = release.wait(60)
+
+    class Held(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layers[0](x)
+            x = Hold.apply(x, hold)  # between two units' backward
+            return self.layers[2](self.layers[1](x))
+
+    model = _shard(Held())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watcher: threading.Thread | None = None
+    if rank == 0:
+
+        def watch() -> None:
+            if not stuck.wait(60):
+                seen["own"] = {"phase": "rank 1 never blocked"}
+                release.set()
+                return
+            # The phase rank 0 settles in while its peer is stuck: one entered 0.5 s ago or more.
+            deadline = time.monotonic() + 20
+            status = tracer.status()
+            while time.time() - status["phase_since"] < 0.5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+                status = tracer.status()
+            seen["own"] = status
+            release.set()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+    for step in range(3):
+        step_box[0] = step
+        with tracer.trace_step(model):
+            model(torch.randn(8, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    if watcher is not None:
+        watcher.join(30)
+    seen["after"] = tracer.status()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    tracer.uninstall()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_status_shows_wait_on_the_rank_blocked_in_an_fsdp2_collective(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    stuck, release = ctx.Event(), ctx.Event()
+    mp.spawn(_hang_worker, args=(_free_port(), str(tmp_path), stuck, release), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    # What the daemon's liveness check needs to name rank 1 in a HANG under FSDP2 too.
+    assert r1["own"]["phase"] == "backward" and r1["own"]["step"] == 1, r1
+    assert r0["own"]["phase"] == "wait" and r0["own"]["step"] == 1, r0
+    assert r1["released"] is True
+    for res in (r0, r1):
+        assert res["after"]["phase"] == "idle" and res["after"]["steps_done"] == 3
