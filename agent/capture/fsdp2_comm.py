@@ -37,6 +37,10 @@ reduce-scatter; replicate: HSDP's all-reduce):
   with the step's own events (``agent.step_rows``). The host call only launches
   the kernel: its host time is not kept.
 
+While a host collective runs, the step's ``comm_wait`` marker holds its start,
+so ``status()`` says the thread waits (a rank waiting for a hung peer is told
+from the hung one, as under DDP).
+
 Memory: the shard and full sizes are static (``agent.capture.model.describe``);
 on a device backend, the allocated bytes after the root forward (activations
 plus whatever shards or unsharded parameters forward left alive) are read once
