@@ -3,25 +3,29 @@
 With ``agent.init(fingerprint_every=N)`` (or ``TRACEML_FINGERPRINT_EVERY=N``) a
 traced model's step context is a ``FingerprintStepContext``: at the exit of
 every N-th step (after the optimizer ran) it takes, per parameter tensor in
-``named_parameters`` order, the L2 norm of the parameter, the L2 norm of its
-gradient and the count of non-finite gradient values. One fused
-``torch._foreach_norm`` (accumulated in float64) takes every norm; on a GPU a
-second one over ``grad * 0`` counts the non-finite values, on the host only
-gradients whose norm is non-finite are counted (``_nonfinite_counts``). On a
-GPU the results are copied to pinned host memory without blocking and read on
-the sender thread once an event says the copy completed, like the step's CUDA
+``named_parameters`` order, the sum of the parameter's bits as integers
+(``bit_sum``, wrapping int32), the L2 norms of the parameter and of its
+gradient (one fused ``torch._foreach_norm`` over all of them, float32
+accumulation) and the count of non-finite gradient values. On the host the
+gradient norms are read at once and only a gradient whose norm is non-finite
+is counted; on a GPU a second fused norm over ``grad * 0`` counts them all,
+the results are copied to pinned host memory without blocking and read on the
+sender thread once an event says the copy completed, like the step's CUDA
 events: nothing synchronizes the device.
 Off, models get the plain step context: not one bytecode more per step.
 
 Why these numbers: under DDP every rank's parameters are bitwise equal after
-each step, so equal fingerprints are expected and one ULP of drift shows; two
-runs of the same seed compare step by step and layer by layer. Under FSDP2
-the local shard is fingerprinted (``shard`` = 1) and the daemon adds the
-squares of the ranks' norms.
+each step, so equal bit sums are expected and one ULP of drift in one element
+changes one (a float norm would hide a small element's ULP in rounding); two
+runs of the same seed compare step by step and layer by layer. The norms give
+the magnitudes and a tolerance for ``compare --ulp``. Under FSDP2 the local
+shard is fingerprinted (``shard`` = 1) and the daemon adds the squares of the
+ranks' norms and their bit sums.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Any
@@ -42,10 +46,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its own width (32-bit for 8-byte floats: a one-ULP
+    change moves the sum of the two halves by +-1 or +-2), a view where the width allows."""
+    size = t.element_size()
+    if size == 4:
+        return t.view(torch.int32)
+    flat = t.reshape(-1)
+    if size == 8:
+        return flat.view(torch.int32)
+    return flat.view(torch.int16 if size == 2 else torch.int8)
+
+
+def bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of the tensor's bits as integers, wrapping in int32. Integer addition is exact and
+    order-free, so equal tensors give equal sums on any device, kernel or thread count, a
+    one-ULP change of one element always changes the sum, and shards' sums add up (mod 2**32)
+    to the whole tensor's."""
+    return _bits(t).sum(dtype=torch.int32)
+
+
 class ModelFingerprint:
     """The parameter list of one traced model and the fused calls over it."""
 
-    __slots__ = ("model_id", "names", "params", "sharded")
+    __slots__ = ("model_id", "names", "params", "sharded", "acc_dtype", "_views", "_ptrs")
 
     def __init__(self, model_id: int, model: torch.nn.Module) -> None:
         self.model_id = model_id
@@ -53,35 +77,65 @@ class ModelFingerprint:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
+        # Norms accumulate in float32 (float64 for a float64 model): equality is the bit sums' job.
+        self.acc_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self._views: list[torch.Tensor] = []  # the parameters' integer views, made again when storage moves
+        self._ptrs: list[int] = []
 
-    def compute(self) -> tuple[torch.Tensor, list[int]] | None:
-        """(one float64 tensor: parameter norms, then gradient norms, then non-finite counts of
-        the tensors with a gradient; those tensors' positions). Queues device work only."""
+    def _bit_views(self) -> list[torch.Tensor]:
+        if self.sharded:
+            return [_bits(_local(p.detach())) for p in self.params]
+        ptrs = [p.data_ptr() for p in self.params]
+        if ptrs != self._ptrs:
+            self._views = [_bits(p.detach()) for p in self.params]
+            self._ptrs = ptrs
+        return self._views
+
+    def compute(self) -> Taken | None:
+        """Queue the fingerprint's device work: the parameters' bit sums (int32), then one fused
+        norm over every parameter and gradient. On the host the gradient norms are read at once
+        (that waits for nothing) and only a non-finite one has its values counted."""
         if not self.params:
             return None
         with torch.no_grad():
-            params = [_local(p.detach()) for p in self.params]
+            sums = torch.stack([v.sum(dtype=torch.int32) for v in self._bit_views()])
+            if self.sharded:
+                params = [_local(p.detach()) for p in self.params]
+            else:
+                params = self.params
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
             grads = [_local(self.params[i].grad.detach()) for i in with_grad]  # type: ignore[union-attr]
-            # One fused call for every norm, parameters and gradients alike.
-            norms = torch.stack(torch._foreach_norm(params + grads, 2, dtype=torch.float64))
-            if not grads:
-                return norms, with_grad
-            return torch.cat((norms, _nonfinite_counts(grads, norms[len(params):]))), with_grad
+            norms = torch.stack(torch._foreach_norm(params + grads, 2, dtype=self.acc_dtype))
+            if norms.device.type == "cpu":
+                values = norms.tolist()
+                return Taken(values, sums, with_grad, _host_counts(grads, values[len(params):]))
+            if grads:  # no wait on a device: count every gradient's non-finite values there
+                zeroed = torch._foreach_mul(grads, 0.0)  # NaN where a value is NaN or inf, 0 elsewhere
+                norms = torch.cat((norms, torch.stack(torch._foreach_norm(zeroed, 0, dtype=self.acc_dtype))))
+            return Taken(norms, sums, with_grad, None)
 
 
-def _nonfinite_counts(grads: list[torch.Tensor], grad_norms: torch.Tensor) -> torch.Tensor:
-    """NaN and infinite values per gradient, as float64. A float64 norm is non-finite exactly
-    when a value is, so on the host (where reading the norms synchronizes nothing) only those
-    gradients are counted; on a device, one more fused pass counts every one without a wait."""
-    if grad_norms.device.type == "cpu":
-        finite = torch.isfinite(grad_norms)
-        if bool(finite.all()):
-            return torch.zeros(len(grads), dtype=torch.float64)
-        return torch.tensor([0.0 if ok else float((~torch.isfinite(g)).sum()) for g, ok in
-                             zip(grads, finite.tolist(), strict=True)], dtype=torch.float64)
-    zeroed = torch._foreach_mul(grads, 0.0)  # NaN where a value is NaN or inf, 0 elsewhere
-    return torch.stack(torch._foreach_norm(zeroed, 0, dtype=torch.float64))
+class Taken:
+    """One fingerprint between the training thread and the sender: the norms (parameters, then
+    gradients, then on a device the gradients' non-finite counts), the bit sums, the positions
+    of the tensors with a gradient, and on the host the non-finite counts as a list."""
+
+    __slots__ = ("norms", "sums", "with_grad", "counts")
+
+    def __init__(self, norms: torch.Tensor | list[float], sums: torch.Tensor, with_grad: list[int],
+                 counts: list[int] | None) -> None:
+        self.norms = norms
+        self.sums = sums
+        self.with_grad = with_grad
+        self.counts = counts
+
+
+def _host_counts(grads: list[torch.Tensor], grad_norms: list[float]) -> list[int]:
+    """NaN and infinite values per gradient. A norm is non-finite whenever a value is, so only
+    those gradients are counted (a norm past float32's range counts 0 there, as it should)."""
+    if math.isfinite(sum(grad_norms)):
+        return [0] * len(grads)
+    return [0 if math.isfinite(n) else int((~torch.isfinite(g)).sum()) for g, n in zip(grads, grad_norms, strict=True)]
 
 
 class Fingerprints:
@@ -90,8 +144,8 @@ class Fingerprints:
     def __init__(self, every: int, gate: ErrorGate, max_pending: int = MAX_PENDING) -> None:
         self.every = max(1, int(every))
         self._gate = gate
-        # (step, model, values tensor (host copy on a GPU), grad positions, event or None, perf ns)
-        self._pending: deque[tuple[int, ModelFingerprint, torch.Tensor, list[int], Any, int]] = deque()
+        # (step, model, what was taken (host copies on a GPU), event or None, perf ns)
+        self._pending: deque[tuple[int, ModelFingerprint, Taken, Any, int]] = deque()
         self.max_pending = max_pending
         self.dropped = 0
         self.taken = 0
@@ -106,27 +160,28 @@ class Fingerprints:
     def take(self, step: int, fp: ModelFingerprint, backend: EventBackend | None) -> None:
         """Training thread, at the exit of a fingerprinted step: queue the device work and its copy."""
         try:
-            out = fp.compute()
-            if out is None:
+            taken = fp.compute()
+            if taken is None:
                 return
-            values, with_grad = out
             event = None
-            if values.is_cuda and isinstance(backend, CudaEventBackend):
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
+            if taken.sums.is_cuda and isinstance(backend, CudaEventBackend):
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        for t in (taken.norms, taken.sums)]  # type: ignore[union-attr]
+                host[0].copy_(taken.norms, non_blocking=True)  # type: ignore[arg-type]
+                host[1].copy_(taken.sums, non_blocking=True)
                 event = backend.mark()
                 if event is not None:
-                    values = host
+                    taken.norms, taken.sums = host
             if len(self._pending) >= self.max_pending:
                 self._drop_oldest(backend)
-            self._pending.append((step, fp, values, with_grad, event, time.perf_counter_ns()))
+            self._pending.append((step, fp, taken, event, time.perf_counter_ns()))
             self.taken += 1
         except Exception as exc:
             self._gate.fail("fingerprint", exc)
 
     def _drop_oldest(self, backend: EventBackend | None) -> None:
         try:
-            event = self._pending.popleft()[4]
+            event = self._pending.popleft()[3]
         except IndexError:
             return
         if event is not None and backend is not None:
@@ -138,33 +193,36 @@ class Fingerprints:
         rows: list[dict[str, Any]] = []
         now = time.perf_counter_ns()
         while self._pending:
-            step, fp, values, with_grad, event, taken = self._pending[0]
+            step, fp, taken, event, at = self._pending[0]
             if event is not None and backend is not None and not backend.done(event):
-                if not final and now - taken < timeout_ns:
+                if not final and now - at < timeout_ns:
                     break  # in order: later ones are not done either
                 self._drop_oldest(backend)
                 continue
             self._pending.popleft()
             if event is not None and backend is not None:
                 backend.release(event)
-            if values.is_cuda:
+            if taken.sums.is_cuda:
                 self.dropped += 1  # no event to wait on: reading would synchronize the device
                 continue
-            rows.extend(_rows(step, fp, values.tolist(), with_grad))
+            rows.extend(_rows(step, fp, taken))
         return rows
 
 
-def _rows(step: int, fp: ModelFingerprint, values: list[float], with_grad: list[int]) -> list[dict[str, Any]]:
-    n, g = len(fp.names), len(with_grad)
+def _rows(step: int, fp: ModelFingerprint, taken: Taken) -> list[dict[str, Any]]:
+    values = taken.norms if isinstance(taken.norms, list) else taken.norms.tolist()
+    sums = taken.sums.tolist()
+    n, g = len(fp.names), len(taken.with_grad)
+    counts = taken.counts if taken.counts is not None else [int(c) for c in values[n + g:]]
     grad_norm: list[float | None] = [None] * n
     nonfinite: list[int | None] = [None] * n
-    for k, i in enumerate(with_grad):
+    for k, i in enumerate(taken.with_grad):
         grad_norm[i] = values[n + k]
-        nonfinite[i] = int(values[n + g + k])
+        nonfinite[i] = counts[k]
     shard = 1 if fp.sharded else 0
     return [
         {"step": step, "model_id": fp.model_id, "idx": i, "layer": fp.names[i], "param_norm": values[i],
-         "grad_norm": grad_norm[i], "grad_nonfinite": nonfinite[i], "shard": shard}
+         "grad_norm": grad_norm[i], "grad_nonfinite": nonfinite[i], "shard": shard, "param_sum": sums[i]}
         for i in range(n)
     ]
 

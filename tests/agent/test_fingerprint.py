@@ -5,13 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from agent.capture.guard import ErrorGate
-from agent.fingerprint import Fingerprints, FingerprintStepContext, ModelFingerprint
+from agent.fingerprint import Fingerprints, FingerprintStepContext, ModelFingerprint, Taken, bit_sum
 from agent.recorder import Recorder
 from agent.tracer import Tracer, _StepContext
+
+
+def _int32_sum(bits: np.ndarray) -> int:
+    total = int(bits.astype(np.int64).sum()) % 2**32
+    return total - 2**32 if total >= 2**31 else total
 
 
 def _model() -> torch.nn.Module:
@@ -54,12 +60,14 @@ def test_every_nth_step_fingerprints_every_parameter_in_order(fp_tracer: tuple[T
     names = [n for n, _ in model.named_parameters()]
     assert rows["step"] == [s for s in (0, 3, 6) for _ in names]
     assert rows["layer"][: len(names)] == names and rows["idx"][: len(names)] == list(range(len(names)))
-    # The last fingerprint holds the parameters as the optimizer left them, to float64 precision.
+    # The last fingerprint holds the parameters as the optimizer left them: float32 norms, and
+    # the bits summed as integers, wrapping at 32 bits.
     for i, p in enumerate(model.parameters()):
         at = 2 * len(names) + i
-        assert rows["param_norm"][at] == torch.linalg.vector_norm(p.detach().double()).item()
-        assert rows["grad_norm"][at] == torch.linalg.vector_norm(p.grad.double()).item()  # type: ignore[union-attr]
+        assert rows["param_norm"][at] == torch.linalg.vector_norm(p.detach()).item()
+        assert rows["grad_norm"][at] == torch.linalg.vector_norm(p.grad).item()  # type: ignore[arg-type]
         assert rows["grad_nonfinite"][at] == 0 and rows["shard"][at] == 0
+        assert rows["param_sum"][at] == _int32_sum(p.detach().numpy().view(np.uint32))
     assert isinstance(tracer.models[id(model)], FingerprintStepContext)
 
 
@@ -112,17 +120,55 @@ def test_past_the_bound_the_oldest_is_dropped_and_counted() -> None:
     assert fps.dropped == 3 and sorted({r["step"] for r in rows}) == [3, 4]
 
 
-def test_one_ulp_on_one_element_changes_the_norm() -> None:
+def _sums(taken: Taken | None) -> list[int]:
+    assert taken is not None
+    return taken.sums.tolist()
+
+
+def test_one_ulp_on_one_element_changes_that_tensors_bit_sum_only() -> None:
     model = _model()
     fp = ModelFingerprint(0, model)
-    before = fp.compute()
+    before = _sums(fp.compute())
     with torch.no_grad():
         w = model[0].weight  # type: ignore[index]
         w[3, 1] = torch.nextafter(w[3, 1], torch.tensor(math.inf))
-    after = fp.compute()
-    assert before is not None and after is not None
-    changed = [i for i, (a, b) in enumerate(zip(before[0].tolist(), after[0].tolist(), strict=True)) if a != b]
-    assert changed == [0]
+    after = _sums(fp.compute())
+    assert [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b] == [0]
+
+
+def test_a_ulp_a_float_norm_rounds_away_still_changes_the_bit_sum() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(512, 512)
+    with torch.no_grad():
+        model.weight[7, 7] = 1e-6  # far below the others: its ULP is lost in any float norm's rounding
+    fp = ModelFingerprint(0, model)
+    norm64 = torch.linalg.vector_norm(model.weight.detach().double()).item()
+    before = _sums(fp.compute())
+    with torch.no_grad():
+        model.weight[7, 7] = torch.nextafter(model.weight[7, 7], torch.tensor(1.0))
+    assert torch.linalg.vector_norm(model.weight.detach().double()).item() == norm64
+    assert _sums(fp.compute())[0] == before[0] + 1
+
+
+def test_bit_sums_of_shards_add_up_to_the_whole_and_cover_every_float_width() -> None:
+    torch.manual_seed(2)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        t = torch.randn(6, 5).to(dtype)
+        whole = int(bit_sum(t))
+        parts = sum(int(bit_sum(part)) for part in t.split([2, 4])) % 2**32
+        assert parts == whole % 2**32, dtype
+        up = t.clone()
+        up.view(-1)[13] = torch.nextafter(up.view(-1)[13], torch.tensor(math.inf, dtype=dtype))
+        assert int(bit_sum(up)) != whole, dtype
+
+
+def test_the_parameters_integer_views_follow_a_moved_storage() -> None:
+    model = _model()
+    fp = ModelFingerprint(0, model)
+    first = _sums(fp.compute())
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.detach() * 2  # type: ignore[index]
+    assert _sums(fp.compute())[0] == int(bit_sum(model[0].weight.detach())) != first[0]  # type: ignore[index]
 
 
 def test_the_setting_from_the_environment_and_init() -> None:

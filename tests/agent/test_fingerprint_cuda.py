@@ -1,5 +1,6 @@
 """Numerics fingerprints on a real GPU: the norms are queued on the device and read back
-without a synchronisation, and they equal torch's float64 norms once read.
+without a synchronisation, and once read they equal torch's float32 norms (to rounding: another
+kernel) and the parameters' bit sums exactly.
 
 Skipped where there is no CUDA device (run on a GPU machine with ``bench/cuda_check.sh``
 or pytest directly); ``tests/agent/test_fingerprint.py`` runs the host path everywhere.
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from agent.capture.events import CudaEventBackend
+from agent.fingerprint import bit_sum
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 from tests.agent.test_cuda_real import GpuBusy, Rows, _sleep_cycles_for
@@ -56,7 +58,8 @@ def test_fingerprints_never_wait_for_the_gpu_and_match_torch() -> None:
         assert [r["grad_nonfinite"] for r in rows] == [0, 0, 1, 0, 0, 0]
         last = {r["layer"]: r for r in rows[4:]}
         for name, p in model.named_parameters():
-            assert last[name]["param_norm"] == torch.linalg.vector_norm(p.detach().double()).item()
+            assert last[name]["param_norm"] == pytest.approx(torch.linalg.vector_norm(p.detach()).item(), rel=1e-5)
+            assert last[name]["param_sum"] == int(bit_sum(p.detach()))
         assert tracer.counters()["fingerprints_dropped"] == 0
     finally:
         tracer.uninstall()

@@ -1,7 +1,9 @@
 """Numerics fingerprints: replicas that drifted apart, gradients gone non-finite, two runs that part.
 
-The agent sends, every N steps, each parameter tensor's norm, its gradient's
-norm and its gradient's non-finite count (``agent/fingerprint.py``). Pure: the
+The agent sends, every N steps, each parameter tensor's norm and bit sum (its
+bits summed as wrapping int32: equal exactly when the tensors are, for one
+changed element), its gradient's norm and non-finite count
+(``agent/fingerprint.py``). Pure: the
 read layer (``store/read/fingerprints.py``) finds the steps that matter and
 hands their rows here.
 
@@ -38,6 +40,7 @@ class FingerprintRow:
     param_norm: float | None
     grad_norm: float | None
     grad_nonfinite: int | None
+    param_sum: int | None = None  # None: taken before bit sums existed
 
 
 @dataclass
@@ -49,7 +52,7 @@ class FingerprintEvidence:
     nonfinite: list[FingerprintRow] = field(default_factory=list)  # rows with non-finite grads, first such step
 
 
-# A layer's fingerprint on one rank: the three numbers, floats as their bits (NaN equals NaN).
+# A layer's fingerprint on one rank: the four numbers, floats as their bits (NaN equals NaN).
 Key = tuple[int, int]  # (model_id, idx)
 
 
@@ -62,8 +65,8 @@ def _value(x: float | None) -> float | str | None:
     return x if x is None or math.isfinite(x) else repr(x)
 
 
-def _signature(row: FingerprintRow) -> tuple[int | None, int | None, int | None]:
-    return _bits(row.param_norm), _bits(row.grad_norm), row.grad_nonfinite
+def _signature(row: FingerprintRow) -> tuple[int | None, int | None, int | None, int | None]:
+    return _bits(row.param_norm), _bits(row.grad_norm), row.grad_nonfinite, row.param_sum
 
 
 def _numbers(row: FingerprintRow) -> dict[str, Any]:
@@ -72,6 +75,7 @@ def _numbers(row: FingerprintRow) -> dict[str, Any]:
         "param_norm_hex": None if row.param_norm is None else float(row.param_norm).hex(),
         "grad_norm": _value(row.grad_norm),
         "grad_nonfinite": row.grad_nonfinite,
+        "param_sum": row.param_sum,
     }
 
 
@@ -174,8 +178,9 @@ def nonfinite_grad_verdicts(found: FingerprintEvidence | None, policy: NumericsP
 # ----------------------------------------------------------------------- two runs
 
 # One run's fingerprints: (model_id, idx, layer, global rank or None when shards were combined)
-# -> step -> (param_norm, grad_norm, grad_nonfinite).
-Series = dict[tuple[int, int, str, int | None], dict[int, tuple[float | None, float | None, int | None]]]
+# -> step -> (param_norm, grad_norm, grad_nonfinite, param_sum).
+Series = dict[tuple[int, int, str, int | None],
+              dict[int, tuple[float | None, float | None, int | None, int | None]]]
 
 _MAX_ULP = 2**64
 
@@ -185,17 +190,36 @@ def _ordered(x: float) -> int:
     return i if i >= 0 else -(2**63) - i
 
 
+def _ordered32(x: float) -> int | None:
+    """x's position on the float32 grid, None when x is not a float32 value."""
+    try:
+        packed = struct.pack("<f", x)
+    except OverflowError:
+        return None
+    (back,) = struct.unpack("<f", packed)
+    if back != x:
+        return None
+    (i,) = struct.unpack("<i", packed)
+    return i if i >= 0 else -(2**31) - i
+
+
 def _ulps(x: float | None, y: float | None) -> int:
+    """ULPs apart, counted on the float32 grid when both are float32 values (the agent's
+    norms accumulate in float32), else on float64's."""
     if x is None or y is None:
         return 0 if x is None and y is None else _MAX_ULP
     if math.isnan(x) or math.isnan(y):
         return 0 if math.isnan(x) and math.isnan(y) else _MAX_ULP
+    a, b = _ordered32(float(x)), _ordered32(float(y))
+    if a is not None and b is not None:
+        return abs(a - b)
     return abs(_ordered(float(x)) - _ordered(float(y)))
 
 
 def compare_fingerprints(a: Series, b: Series, ulp: int = 0) -> dict[str, Any]:
-    """The first step where the runs' fingerprints differ beyond ``ulp`` float64 ULPs (the
-    non-finite count exactly), the first layer at that step (lowest model, then position), both values."""
+    """The first step where the runs' fingerprints differ beyond ``ulp`` ULPs (the non-finite count
+    exactly; at ``ulp`` 0 the bit sums too, when both runs took them), the first layer at that step
+    (lowest model, then position), both values."""
     keys = sorted(a.keys() & b.keys(), key=lambda k: (k[0], k[1], -1 if k[3] is None else k[3]))
     first: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
     steps: set[int] = set()
@@ -206,20 +230,24 @@ def compare_fingerprints(a: Series, b: Series, ulp: int = 0) -> dict[str, Any]:
         for step in common:
             va, vb = sa[step], sb[step]
             dp, dg = _ulps(va[0], vb[0]), _ulps(va[1], vb[1])
-            if dp <= ulp and dg <= ulp and va[2] == vb[2]:
+            bits = ulp == 0 and va[3] is not None and vb[3] is not None and va[3] != vb[3]
+            if dp <= ulp and dg <= ulp and va[2] == vb[2] and not bits:
                 continue
             model_id, idx, layer, rank = key
             order = (step, model_id, idx, -1 if rank is None else rank)
             if first is None or order < first[0]:
-                what = "param_norm" if dp > ulp else ("grad_norm" if dg > ulp else "grad_nonfinite")
+                what = ("param_norm" if dp > ulp else "grad_norm" if dg > ulp
+                        else "grad_nonfinite" if va[2] != vb[2] else "param_sum")
                 first = (order, {
                     "step": step, "layer": layer, "layer_index": idx, "model_id": model_id, "rank": rank,
                     "metric": what,
-                    "a": {"param_norm": _value(va[0]), "grad_norm": _value(va[1]), "grad_nonfinite": va[2]},
-                    "b": {"param_norm": _value(vb[0]), "grad_norm": _value(vb[1]), "grad_nonfinite": vb[2]},
+                    "a": {"param_norm": _value(va[0]), "grad_norm": _value(va[1]), "grad_nonfinite": va[2],
+                          "param_sum": va[3]},
+                    "b": {"param_norm": _value(vb[0]), "grad_norm": _value(vb[1]), "grad_nonfinite": vb[2],
+                          "param_sum": vb[3]},
                     "a_hex": None if va[0] is None else float(va[0]).hex(),
                     "b_hex": None if vb[0] is None else float(vb[0]).hex(),
-                    "ulp_distance": dp if dp > ulp else dg,
+                    "ulp_distance": dp if dp > ulp else dg if dg > ulp else 0,
                 })
             break  # later steps of this layer cannot come first
     return {
@@ -243,5 +271,8 @@ def format_fingerprints(result: dict[str, Any]) -> str:
         return (f"Fingerprints: {result['layers_compared']} layers identical ({tol}) over "
                 f"{result['steps_compared']} common steps")
     who = f" rank {d['rank']}" if d["rank"] is not None else ""
+    if d["metric"] == "param_sum":
+        return (f"Fingerprints: first divergence at step {d['step']}, layer {d['layer']}{who}: param_sum "
+                f"A={d['a']['param_sum']} B={d['b']['param_sum']} (equal norms, different bits; tolerance {tol})")
     return (f"Fingerprints: first divergence at step {d['step']}, layer {d['layer']}{who}: {d['metric']} "
             f"A={d['a'][d['metric']]!r} B={d['b'][d['metric']]!r} ({d['ulp_distance']} ULP apart; tolerance {tol})")

@@ -4,8 +4,9 @@
 ranks' fingerprints of a DDP-wrapped model disagree, the first with non-finite
 gradients) and reads only
 their rows; ``series`` reads every row for ``compare``, adding FSDP2 shards' squares
-into each layer's full norm. A database from before fingerprints has no such table:
-both then return nothing.
+into each layer's full norm and their bit sums (mod 2**32) into its full sum. A database
+from before fingerprints has no such table: both then return nothing; one from before bit
+sums (schema v12) reads them as None.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from traceml_daemon.store.read.runs import RunRef
 
 _RUN = "FROM fingerprints f JOIN ranks r ON r.rank_id = f.rank_id WHERE r.session = ? AND r.attempt = ?"
 _ROW = ("SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f.layer, f.param_norm, f.grad_norm, "
-        "f.grad_nonfinite ")
+        "f.grad_nonfinite, {sum} ")
 
 # A (step, layer) whose ranks disagree: more than one distinct value of any of the three, or a
 # value some ranks have and others lack. COUNT(DISTINCT) compares REALs exactly, bit for bit.
@@ -30,9 +31,17 @@ _FIRST_MISMATCH = (
     f"SELECT f.step {_RUN} AND f.step >= ? AND {_DDP_MODEL} GROUP BY f.step, f.model_id, f.idx "
     "HAVING COUNT(*) > 1 AND ("
     "COUNT(DISTINCT f.param_norm) > 1 OR COUNT(DISTINCT f.grad_norm) > 1 OR COUNT(DISTINCT f.grad_nonfinite) > 1 "
+    "OR COUNT(DISTINCT {sum}) > 1 "
     "OR COUNT(f.param_norm) NOT IN (0, COUNT(*)) OR COUNT(f.grad_norm) NOT IN (0, COUNT(*))) "
     "ORDER BY f.step LIMIT 1"
 )
+_WRAP = 2**32
+
+
+def _sum_column(conn: sqlite3.Connection) -> str:
+    """f.param_sum, or NULL on a database not migrated to v12 yet (read-only readers)."""
+    cols = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
+    return "f.param_sum" if "param_sum" in cols else "NULL"
 
 
 def _float(x: object) -> float | None:
@@ -40,10 +49,14 @@ def _float(x: object) -> float | None:
     return None if x is None else float(x)  # type: ignore[arg-type]
 
 
+def _int(x: object) -> int | None:
+    return None if x is None else int(x)  # type: ignore[call-overload]
+
+
 def _row(values: tuple[object, ...]) -> FingerprintRow:
-    g, step, model_id, idx, layer, pn, gn, nf = values
+    g, step, model_id, idx, layer, pn, gn, nf, bits = values
     return FingerprintRow(int(g), int(step), int(model_id or 0), int(idx or 0), str(layer or ""),  # type: ignore[call-overload]
-                          _float(pn), _float(gn), None if nf is None else int(nf))  # type: ignore[call-overload]
+                          _float(pn), _float(gn), _int(nf), _int(bits))
 
 
 def evidence(conn: sqlite3.Connection, run: RunRef, since_step: int | None = None) -> FingerprintEvidence | None:
@@ -56,14 +69,16 @@ def evidence(conn: sqlite3.Connection, run: RunRef, since_step: int | None = Non
     if not ranks:
         return None
     found = FingerprintEvidence(ranks=int(ranks))
-    first = conn.execute(_FIRST_MISMATCH, args).fetchone()
+    col = _sum_column(conn)
+    row_sql = _ROW.format(sum=col)
+    first = conn.execute(_FIRST_MISMATCH.format(sum=col), args).fetchone()
     if first is not None:
-        found.mismatch = [_row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ? AND {_DDP_MODEL}",
+        found.mismatch = [_row(v) for v in conn.execute(f"{row_sql}{_RUN} AND f.step = ? AND {_DDP_MODEL}",
                                                         (*args[:2], first[0]))]
     (bad,) = conn.execute(f"SELECT MIN(f.step) {_RUN} AND f.grad_nonfinite > 0 AND f.step >= ?", args).fetchone()
     if bad is not None:
         found.nonfinite = [
-            _row(v) for v in conn.execute(f"{_ROW}{_RUN} AND f.step = ? AND f.grad_nonfinite > 0", (*args[:2], bad))
+            _row(v) for v in conn.execute(f"{row_sql}{_RUN} AND f.step = ? AND f.grad_nonfinite > 0", (*args[:2], bad))
         ]
     return found
 
@@ -75,25 +90,35 @@ def series(conn: sqlite3.Connection, run: RunRef) -> Series:
     if not has_table(conn, "fingerprints"):
         return out
     sharded: dict[tuple[int, int, str], dict[int, list[float | int | None]]] = {}
-    for g, step, model_id, idx, layer, pn, gn, nf, shard in conn.execute(
+    for g, step, model_id, idx, layer, pn, gn, nf, shard, bits in conn.execute(
         "SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f.layer, f.param_norm, f.grad_norm, "
-        f"f.grad_nonfinite, f.shard {_RUN} AND f.step IS NOT NULL ORDER BY f.step, r.global_rank, f.idx",
+        f"f.grad_nonfinite, f.shard, {_sum_column(conn)} {_RUN} AND f.step IS NOT NULL "
+        "ORDER BY f.step, r.global_rank, f.idx",
         (run.session, run.attempt),
     ):
         key = (int(model_id or 0), int(idx or 0), str(layer or ""))
         if shard:
-            acc = sharded.setdefault(key, {}).setdefault(step, [0.0, 0.0, 0])
+            acc = sharded.setdefault(key, {}).setdefault(step, [0.0, 0.0, 0, 0])
             _add_square(acc, 0, _float(pn))
             _add_square(acc, 1, _float(gn))
             acc[2] = None if acc[2] is None or nf is None else int(acc[2]) + int(nf)
+            acc[3] = None if acc[3] is None or bits is None else (int(acc[3]) + int(bits)) % _WRAP
             continue
-        out.setdefault((*key, int(g)), {}).setdefault(step, (_float(pn), _float(gn), None if nf is None else int(nf)))
+        out.setdefault((*key, int(g)), {}).setdefault(step, (_float(pn), _float(gn), _int(nf), _int(bits)))
     for key, steps in sharded.items():
         out[(*key, None)] = {
-            step: (_root(acc[0]), _root(acc[1]), None if acc[2] is None else int(acc[2]))
+            step: (_root(acc[0]), _root(acc[1]), _int(acc[2]), _signed32(acc[3]))
             for step, acc in steps.items()
         }
     return out
+
+
+def _signed32(x: float | int | None) -> int | None:
+    # The shards' sums added mod 2**32, as the int32 the agent sends for a whole tensor.
+    if x is None:
+        return None
+    v = int(x) % _WRAP
+    return v - _WRAP if v >= 2**31 else v
 
 
 def _add_square(acc: list[float | int | None], at: int, norm: float | None) -> None:
