@@ -194,6 +194,7 @@ class NodeRelay:
 
     def statistics(self) -> dict[str, Any]:
         out: dict[str, Any] = self.stats.as_dict()
+        out.update(dataclasses.asdict(self.upstream.control_stats))
         out["upstream_connected"] = self.upstream.connected
         out["unacked_rbatches"] = self.upstream.unacked
         out["memory_bytes"] = self.upstream.memory_bytes
@@ -300,11 +301,11 @@ class NodeRelay:
         wire = self._agents.get(control.sender)
         hello = wire.conn.hello if wire is not None else None
         if wire is None or hello is None or wm.CAP_CONTROL not in hello.caps or wire.writer.is_closing():
-            self.stats.controls_dropped += 1  # the daemon's CLI then reports that no trace arrived
+            self.upstream.control_stats.controls_dropped += 1  # the CLI then reports that no trace arrived
             return
         # One write of one small frame: it never interleaves with an ack's frame.
         wire.writer.write(wire.conn.send_control(control.op, control.sender, control.steps, control.request_id))
-        self.stats.controls_forwarded += 1
+        self.upstream.control_stats.controls_forwarded += 1
 
     async def _refuse(self, wire: Wire, reason: str) -> None:
         self.stats.refused_agents += 1

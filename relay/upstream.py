@@ -63,12 +63,19 @@ class RelayStats:
     rbatches_sent: int = 0
     rbatches_acked: int = 0
     upstream_connects: int = 0
-    controls_forwarded: int = 0  # control requests passed down to their agent
-    controls_dropped: int = 0  # for an agent not connected here, or one that cannot take them
-    controls_refused: int = 0  # malformed control messages from the daemon
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass
+class ControlStats:
+    """Control requests from the daemon (this process's own counts; the relay's
+    ``statistics()`` shows them, rbatches do not carry them)."""
+
+    controls_forwarded: int = 0  # passed down to their agent
+    controls_dropped: int = 0  # for an agent not connected here, or one that cannot take them
+    controls_refused: int = 0  # malformed control messages from the daemon
 
 
 class DaemonRefused(ConnectionError):
@@ -108,6 +115,7 @@ class Upstream:
         node_rank = self.node.get("node_rank", 0)
         self.sender = f"relay/{session}/n{node_rank}/{os.getpid()}-{os.urandom(3).hex()}"
         self.stats = RelayStats()
+        self.control_stats = ControlStats()
         self.buffer_bytes = buffer_bytes
         self.flush_interval = flush_interval
         self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
@@ -410,7 +418,7 @@ class Upstream:
                     self.on_control(event)
                     continue
                 if isinstance(event, conv.ControlRefused):
-                    self.stats.controls_refused += 1
+                    self.control_stats.controls_refused += 1
                     continue
                 if not isinstance(event, conv.Ack):
                     self._fail(event)

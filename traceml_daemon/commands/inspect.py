@@ -86,6 +86,7 @@ def view_json(view: StepView) -> dict[str, Any]:
         "ranks_recorded": sum(1 for _, rs in view.ranks if rs.recorded),
         "ranks": [_rank_json(row, rs) for row, rs in view.ranks],
         "out_of_band": [o.to_json() for o in view.out_of_band],
+        "profiles": [{"rank": p.rank, "step": p.step, "steps": p.steps, "path": p.path} for p in view.profiles],
     }
 
 
@@ -166,6 +167,14 @@ def _offset(ts: float | None, end: float | None) -> str:
     return f"sample {ts - end:+.1f} s from step end"
 
 
+def _profile_lines(view: StepView) -> list[str]:
+    """The torch.profiler traces that cover this step (`traceml-daemon profile`, profile_steps)."""
+    return [
+        f"torch.profiler trace: rank {p.rank} steps {p.step}-{(p.step or 0) + (p.steps or 1) - 1}: {p.path}"
+        for p in view.profiles
+    ]
+
+
 def render_text(view: StepView, rank: int | None = None) -> str:
     recorded = sum(1 for _, rs in view.ranks if rs.recorded)
     stored = "" if view.first_step is None else f"; steps {view.first_step}-{view.last_step} stored"
@@ -173,6 +182,7 @@ def render_text(view: StepView, rank: int | None = None) -> str:
         f"Step {view.step} of session {view.run.session} (attempt {view.run.attempt}), {view.parallelism}: "
         f"{recorded} of {len(view.ranks)} rank(s) recorded it{stored}",
         *_band_lines(view),
+        *_profile_lines(view),
         "",
         "Phases (ms) and memory",
     ]

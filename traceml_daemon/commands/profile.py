@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import secrets
-import sqlite3
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 
 from traceml_daemon.net.control_requests import REQUEST_SUFFIX, RESULT_SUFFIX, control_dir, write_json
 from traceml_daemon.store import reader
+from traceml_daemon.store.read import profiles
 from traceml_wire import messages
 
 DEFAULT_DB = "traceml.db"
@@ -102,40 +102,18 @@ def _run_ranks(db: str, session: str | None, rank: int) -> tuple[reader.RunRef, 
 def _last_seen(db: str, rank_ids: list[int]) -> float | None:
     conn = reader.open_readonly(db)
     try:
-        marks = placeholders(rank_ids)
-        (seen,) = conn.execute(f"SELECT max(last_seen) FROM ranks WHERE rank_id IN ({marks})", rank_ids).fetchone()
-        return seen
+        return profiles.last_seen(conn, rank_ids)
     finally:
         conn.close()
-
-
-def placeholders(values: list[Any]) -> str:
-    return ",".join("?" * len(values))
-
-
-def _profiles_mark(conn: sqlite3.Connection) -> int:
-    """The highest profiles rowid now (0: none, or no table yet)."""
-    try:
-        (mark,) = conn.execute("SELECT coalesce(max(rowid), 0) FROM profiles").fetchone()
-    except sqlite3.OperationalError:
-        return 0
-    return int(mark)
 
 
 def new_traces(db: str, rank: int, rank_ids: list[int], after: int) -> list[Trace]:
     """Trace files rank ``rank`` reported after profiles rowid ``after``."""
     conn = reader.open_readonly(db)
     try:
-        rows = conn.execute(
-            f"SELECT step, steps, path FROM profiles WHERE rowid > ? AND rank_id IN ({placeholders(rank_ids)}) "
-            "ORDER BY rowid",
-            [after, *rank_ids],
-        ).fetchall()
-    except sqlite3.OperationalError:
-        return []
+        return [Trace(rank, step, steps, path) for step, steps, path in profiles.profiles_after(conn, rank_ids, after)]
     finally:
         conn.close()
-    return [Trace(rank, int(step), int(steps), str(path)) for step, steps, path in rows if path]
 
 
 # ---------------------------------------------------------------- the request
@@ -155,7 +133,7 @@ def request(db: str, rank: int, steps: int, session: str | None = None,
                            "(or `traceml-daemon launch`) and run the job under it")
     conn = reader.open_readonly(db)
     try:
-        before = _profiles_mark(conn)
+        before = profiles.profiles_mark(conn)
     finally:
         conn.close()
     request_id = secrets.token_hex(8)
@@ -173,10 +151,12 @@ def request(db: str, rank: int, steps: int, session: str | None = None,
                            f"is `traceml-daemon serve --db {db}` still running?")
     if answer.get("status") != "sent":
         message = str(answer.get("message", "refused"))
-        seen = _last_seen(db, rank_ids)
-        if "not connected" in message and seen is not None and time.time() - seen > 10:
-            message = (f"rank {rank} of session {run.session} is not connected: the run finished "
-                       f"(its last data {time.time() - seen:.0f} s ago); profile a running job")
+        if "not connected" in message:
+            # The rank is in the run (checked above) but no connection carries it now.
+            seen = _last_seen(db, rank_ids)
+            ago = f" (its last data {max(0.0, time.time() - seen):.0f} s ago)" if seen is not None else ""
+            message = (f"rank {rank} of session {run.session} is not connected{ago}: the run finished or the rank "
+                       "lost its connection; profile a running job")
         raise ProfileError(message)
     return Requested(request_id, run.session, rank, steps, before)
 

@@ -106,12 +106,22 @@ class ControlRequests:
         except OSError as exc:
             log.warning("control requests off: cannot create %s: %s", self.directory, exc)
             return
-        while True:
-            try:
-                self.poll()
-            except OSError as exc:  # the directory went away or is unreadable: try again later
-                log.debug("control poll: %s", exc)
-            await asyncio.sleep(POLL_S)
+        try:
+            while True:
+                try:
+                    self.poll()
+                except OSError as exc:  # the directory went away or is unreadable: try again later
+                    log.debug("control poll: %s", exc)
+                await asyncio.sleep(POLL_S)
+        finally:
+            self.remove()
+
+    def remove(self) -> None:
+        """At shutdown: no directory means no daemon to ask (the CLI says so at once)."""
+        with contextlib.suppress(OSError):
+            for path in self.directory.iterdir():
+                path.unlink()
+            self.directory.rmdir()
 
     def poll(self) -> int:
         """Take the waiting requests (at most MAX_PER_POLL); how many were taken."""

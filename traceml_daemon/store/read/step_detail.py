@@ -17,6 +17,7 @@ from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.analysis.step_band import OutOfBand, out_of_band
 from traceml_daemon.store.read import detail, steps
 from traceml_daemon.store.read.output import has_output, output_between
+from traceml_daemon.store.read.rollouts import ProfileFile, run_profiles
 from traceml_daemon.store.read.runs import RunRef, run_parallelism
 from traceml_daemon.store.reader import RankRow, load_ranks
 from traceml_daemon.store.schema import rank_is
@@ -188,6 +189,7 @@ class StepView:
     out_of_band: list[OutOfBand]
     first_step: int | None  # the steps stored, over the run's ranks
     last_step: int | None
+    profiles: list[ProfileFile] = field(default_factory=list)  # torch.profiler traces covering the step
 
 
 def _global(row: RankRow) -> int:
@@ -218,7 +220,11 @@ def load_step(
         raise StepNotFound(f"step {step} is not stored for session {run.session}: {stored}")
     parallelism = run_parallelism(conn, run, (r.parallelism for r in rows))
     band = RunData(ranks=[_rank_data(row, rs, step) for row, rs in ranks if rs.recorded], parallelism=parallelism)
-    return StepView(run, step, parallelism, ranks, out_of_band(band, policy), first, last)
+    covering = [
+        p for p in run_profiles(conn, [(r.rank_id, r.global_rank) for r in rows])
+        if p.step is not None and p.step <= step < p.step + max(1, p.steps or 1)
+    ]
+    return StepView(run, step, parallelism, ranks, out_of_band(band, policy), first, last, covering)
 
 
 def _rank_data(row: RankRow, rs: RankStep, step: int) -> RankData:

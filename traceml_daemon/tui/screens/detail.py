@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -135,11 +136,29 @@ def shard_view(v: dict[str, Any]) -> Text:
 
 
 class RankScreen(Screen[None]):
-    BINDINGS = [Binding("escape", "app.pop_screen", "Back")]
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        # Not in the footer (snapshots unchanged); listed in the help.
+        Binding("P", "profile", "Profile", show=False),
+    ]
 
     def __init__(self, global_rank: int) -> None:
         super().__init__()
         self.global_rank = global_rank
+
+    def action_profile(self) -> None:
+        """Ask the live rank for a torch.profiler trace of its next steps (tui/profiling.py)."""
+        app: Any = self.app
+        run = app.data.run
+        session = run.session if run is not None else None
+        self._ask_profile(app.db_path, self.global_rank, session)
+
+    @work(thread=True, group="profile", exclusive=True, exit_on_error=False)
+    def _ask_profile(self, db_path: str, global_rank: int, session: str | None) -> None:
+        from traceml_daemon.tui.profiling import ask
+
+        message, severity = ask(db_path, global_rank, session)
+        self.app.call_from_thread(self.app.notify, message, severity=severity, markup=False, timeout=8)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():

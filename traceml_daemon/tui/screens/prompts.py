@@ -22,6 +22,8 @@ TraceML — keys
                  first rank verdict's step); arrows step, g go to a step
   l              logs: the ranks' output folded across ranks, errors first
   o              rollouts: RL sessions, phase percentiles, pending, reasons
+  P              on a rank: profile its next 3 steps with torch.profiler
+                 (a live run; the trace is listed on the rank screen)
   ?              this help
   q              quit
 
