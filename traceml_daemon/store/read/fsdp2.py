@@ -15,6 +15,7 @@ from typing import Any
 from traceml_daemon.analysis.model import RankData
 from traceml_daemon.store.schema import rank_is
 
+_IN_CHUNK = 500  # steps per IN (...) list: well under SQLite's parameter limit
 STEP_FIELDS = ("fwd_comm_ns", "bwd_comm_ns", "replicate_comm_ns", "post_forward_bytes")
 MODEL_FIELDS = ("local_shard_bytes", "estimated_full_bytes", "shard_degree", "replicate_degree")
 
@@ -39,17 +40,34 @@ def fill_steps(conn: sqlite3.Connection, ranks: list[tuple[int, RankData]]) -> N
         if not data.steps:
             continue
         by_step: dict[int, tuple[Any, ...]] = {}
-        for step, *values in conn.execute(
-            f"SELECT step, {select} FROM steps WHERE {rank_is('?1')} AND step BETWEEN ?2 AND ?3 "
-            "ORDER BY step, model_id",
-            (rank_id, data.steps[0], data.steps[-1]),
-        ):
+        for step, *values in _rows(conn, rank_id, select, data.steps):
             by_step.setdefault(step, tuple(values))
         empty = (None,) * len(STEP_FIELDS)
         aligned = [by_step.get(step, empty) for step in data.steps]
         data.fwd_comm_ns, data.bwd_comm_ns, data.replicate_comm_ns, data.post_forward_bytes = (
             [row[i] for row in aligned] for i in range(len(STEP_FIELDS))
         )
+
+
+def _rows(conn: sqlite3.Connection, rank_id: int, select: str, steps: list[int]) -> list[tuple[Any, ...]]:
+    """The rank's rows of these steps (oldest first): one index range where the steps are
+    (nearly) all of their span, index seeks by chunks where they are a sample of a long run."""
+    first, last = steps[0], steps[-1]
+    if last - first + 1 <= 2 * len(steps):
+        return conn.execute(
+            f"SELECT step, {select} FROM steps WHERE {rank_is('?1')} AND step BETWEEN ?2 AND ?3 "
+            "ORDER BY step, model_id",
+            (rank_id, first, last),
+        ).fetchall()
+    out: list[tuple[Any, ...]] = []
+    for i in range(0, len(steps), _IN_CHUNK):
+        part = steps[i : i + _IN_CHUNK]
+        out += conn.execute(
+            f"SELECT step, {select} FROM steps WHERE {rank_is('?1')} AND step IN ({','.join('?' * len(part))}) "
+            "ORDER BY step, model_id",
+            (rank_id, *part),
+        ).fetchall()
+    return out
 
 
 def model_facts(conn: sqlite3.Connection, rank_id: int) -> dict[str, int | None] | None:
