@@ -18,7 +18,7 @@ DEFAULT_FLUSH_S = 1.0
 DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
 DEFAULT_RECORDER_BYTES = 32 * 1024 * 1024
 DEFAULT_DEEP_DIVE_EVERY = 50
-DEFAULT_FINGERPRINT_EVERY = 50  # the interval fingerprint_every=True (or "on") picks
+DEFAULT_FINGERPRINT_EVERY = 200  # the interval fingerprint_every=True (or "on") picks
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

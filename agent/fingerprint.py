@@ -30,6 +30,7 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from agent.capture.events import CudaEventBackend, EventBackend
@@ -67,9 +68,9 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class ModelFingerprint:
-    """The parameter list of one traced model and the fused calls over it."""
+    """The parameter list of one traced model and the calls over it."""
 
-    __slots__ = ("model_id", "names", "params", "sharded", "acc_dtype", "_views", "_ptrs")
+    __slots__ = ("model_id", "names", "params", "sharded", "acc_dtype", "_views", "_host", "_ptrs")
 
     def __init__(self, model_id: int, model: torch.nn.Module) -> None:
         self.model_id = model_id
@@ -79,30 +80,42 @@ class ModelFingerprint:
         self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         # Norms accumulate in float32 (float64 for a float64 model): equality is the bit sums' job.
         self.acc_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self._views: list[torch.Tensor] = []  # the parameters' integer views, made again when storage moves
+        # Views of the parameters' memory, made again when a storage moves: integer views for
+        # the device path; on the host, when numpy can read every parameter in place, numpy
+        # arrays (values, int32 bits), else None.
+        self._views: list[torch.Tensor] = []
+        self._host: list[tuple[np.ndarray, np.ndarray]] | None = None
         self._ptrs: list[int] = []
 
-    def _bit_views(self) -> list[torch.Tensor]:
-        if self.sharded:
-            return [_bits(_local(p.detach())) for p in self.params]
+    def _moved(self) -> bool:
         ptrs = [p.data_ptr() for p in self.params]
-        if ptrs != self._ptrs:
-            self._views = [_bits(p.detach()) for p in self.params]
-            self._ptrs = ptrs
-        return self._views
+        if ptrs == self._ptrs:
+            return False
+        self._ptrs = ptrs
+        self._views = [_bits(p.detach()) for p in self.params]
+        self._host = _host_views(self.params)
+        return True
 
     def compute(self) -> Taken | None:
         """Queue the fingerprint's device work: the parameters' bit sums (int32), then one fused
-        norm over every parameter and gradient. On the host the gradient norms are read at once
-        (that waits for nothing) and only a non-finite one has its values counted."""
+        norm over every parameter and gradient. On the host the work is done in place (numpy
+        over the same memory, BLAS for the squares), the gradient norms are read at once (that
+        waits for nothing) and only a non-finite one has its values counted."""
         if not self.params:
             return None
         with torch.no_grad():
-            sums = torch.stack([v.sum(dtype=torch.int32) for v in self._bit_views()])
             if self.sharded:
-                params = [_local(p.detach()) for p in self.params]
+                views = [_bits(_local(p.detach())) for p in self.params]
             else:
-                params = self.params
+                self._moved()
+                views = self._views
+                if self._host is not None:
+                    try:
+                        return self._compute_host(self._host)
+                    except (TypeError, RuntimeError):
+                        pass  # a gradient numpy cannot read in place (another dtype, device): torch's way
+            sums = torch.stack([v.sum(dtype=torch.int32) for v in views])
+            params = [_local(p.detach()) for p in self.params] if self.sharded else self.params
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
             grads = [_local(self.params[i].grad.detach()) for i in with_grad]  # type: ignore[union-attr]
             norms = torch.stack(torch._foreach_norm(params + grads, 2, dtype=self.acc_dtype))
@@ -114,20 +127,63 @@ class ModelFingerprint:
                 norms = torch.cat((norms, torch.stack(torch._foreach_norm(zeroed, 0, dtype=self.acc_dtype))))
             return Taken(norms, sums, with_grad, None)
 
+    def _compute_host(self, host: list[tuple[np.ndarray, np.ndarray]]) -> Taken:
+        """Host parameters: per tensor the int32 bit sum and the sums of squares (BLAS dot),
+        roots taken on the sender thread."""
+        add, dot = np.add.reduce, np.dot
+        sums: list[Any] = []
+        squares: list[Any] = []
+        grad_squares: list[Any] = []
+        with_grad: list[int] = []
+        grads: list[np.ndarray] = []
+        for i, (p, (values, bits)) in enumerate(zip(self.params, host, strict=True)):
+            sums.append(add(bits, dtype=np.int32))
+            squares.append(dot(values, values))
+            g = p.grad
+            if g is not None:
+                a = g.numpy().reshape(-1)
+                with_grad.append(i)
+                grads.append(a)
+                grad_squares.append(dot(a, a))
+        if all(map(math.isfinite, grad_squares)):
+            counts = [0] * len(grads)
+        else:
+            counts = [0 if math.isfinite(sq) else int(np.count_nonzero(~np.isfinite(a)))
+                      for a, sq in zip(grads, grad_squares, strict=True)]
+        return Taken(squares + grad_squares, sums, with_grad, counts, squared=True)
+
+
+def _host_views(params: list[torch.nn.Parameter]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """numpy arrays over the parameters' own memory (values, bits as int32), or None when one
+    is not a contiguous float32/float64 host tensor (numpy would copy it, or cannot read it)."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for p in params:
+        t = p.detach()
+        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) or not t.is_contiguous():
+            return None
+        values = t.numpy().reshape(-1)
+        out.append((values, values.view(np.int32)))
+    return out
+
 
 class Taken:
     """One fingerprint between the training thread and the sender: the norms (parameters, then
-    gradients, then on a device the gradients' non-finite counts), the bit sums, the positions
-    of the tensors with a gradient, and on the host the non-finite counts as a list."""
+    gradients, then on a device the gradients' non-finite counts; ``squared``: their squares,
+    numpy scalars, roots still to take), the bit sums, the positions of the tensors with a
+    gradient, and on the host the non-finite counts."""
 
-    __slots__ = ("norms", "sums", "with_grad", "counts")
+    __slots__ = ("norms", "sums", "with_grad", "counts", "squared")
 
-    def __init__(self, norms: torch.Tensor | list[float], sums: torch.Tensor, with_grad: list[int],
-                 counts: list[int] | None) -> None:
+    def __init__(self, norms: torch.Tensor | list[Any], sums: torch.Tensor | list[Any], with_grad: list[int],
+                 counts: list[int] | None, squared: bool = False) -> None:
         self.norms = norms
         self.sums = sums
         self.with_grad = with_grad
         self.counts = counts
+        self.squared = squared
+
+    def on_device(self) -> bool:
+        return isinstance(self.sums, torch.Tensor) and self.sums.is_cuda
 
 
 def _host_counts(grads: list[torch.Tensor], grad_norms: list[float]) -> list[int]:
@@ -164,11 +220,11 @@ class Fingerprints:
             if taken is None:
                 return
             event = None
-            if taken.sums.is_cuda and isinstance(backend, CudaEventBackend):
+            if taken.on_device() and isinstance(backend, CudaEventBackend):
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                         for t in (taken.norms, taken.sums)]  # type: ignore[union-attr]
                 host[0].copy_(taken.norms, non_blocking=True)  # type: ignore[arg-type]
-                host[1].copy_(taken.sums, non_blocking=True)
+                host[1].copy_(taken.sums, non_blocking=True)  # type: ignore[arg-type]
                 event = backend.mark()
                 if event is not None:
                     taken.norms, taken.sums = host
@@ -202,7 +258,7 @@ class Fingerprints:
             self._pending.popleft()
             if event is not None and backend is not None:
                 backend.release(event)
-            if taken.sums.is_cuda:
+            if taken.on_device():
                 self.dropped += 1  # no event to wait on: reading would synchronize the device
                 continue
             rows.extend(_rows(step, fp, taken))
@@ -211,7 +267,9 @@ class Fingerprints:
 
 def _rows(step: int, fp: ModelFingerprint, taken: Taken) -> list[dict[str, Any]]:
     values = taken.norms if isinstance(taken.norms, list) else taken.norms.tolist()
-    sums = taken.sums.tolist()
+    if taken.squared:
+        values = [float(np.sqrt(v)) for v in values]  # in the squares' own precision
+    sums = [int(v) for v in (taken.sums if isinstance(taken.sums, list) else taken.sums.tolist())]
     n, g = len(fp.names), len(taken.with_grad)
     counts = taken.counts if taken.counts is not None else [int(c) for c in values[n + g:]]
     grad_norm: list[float | None] = [None] * n

@@ -8,7 +8,11 @@ model (same weights) and its own tracer:
 
 * ``off``: fingerprints off (the baseline every figure is taken against);
 * ``every1``: ``fingerprint_every=1``, a fingerprint at every step's exit;
-* ``default``: ``fingerprint_every=50`` (the default interval).
+* ``default``: ``fingerprint_every=DEFAULT_FINGERPRINT_EVERY`` (the default interval);
+* ``before``: ``fingerprint_every=1`` with the method fingerprints used before
+  bit sums (``LegacyFingerprint``: one fused ``_foreach_norm`` accumulated in
+  float64, then a finiteness test of the gradient norms), the same-run baseline
+  of the change.
 
 Each step is timed around ``with tracer.trace_step(model)`` (its exit, where
 the fingerprint is taken, included) on the wall clock and the thread's CPU
@@ -16,7 +20,7 @@ clock. Figures: per mode the median step, and the cost against ``off`` as the
 median over rounds of (mode's median - off's median) / off's median, with
 the min..max over rounds. Since one fingerprint in 50 steps is far below the
 noise of a step, the default interval's cost is also given as derived: the
-``every1`` cost divided by 50. The sender thread's work (``poll``: reading the
+``every1`` cost divided by the interval. The sender thread's work (``poll``: reading the
 values back and building rows) is timed apart: it is not the training
 thread's. ``--batch`` sets the step's size (the fingerprint's cost does not
 depend on it). Ends with one JSON line.
@@ -41,10 +45,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train import build_model  # noqa: E402
 
 from agent.config import DEFAULT_FINGERPRINT_EVERY  # noqa: E402
+from agent.fingerprint import ModelFingerprint, Taken  # noqa: E402
 from agent.recorder import Recorder  # noqa: E402
 from agent.tracer import Tracer  # noqa: E402
 
-MODES = {"off": 0, "every1": 1, "default": DEFAULT_FINGERPRINT_EVERY}
+MODES = {"off": 0, "every1": 1, "default": DEFAULT_FINGERPRINT_EVERY, "before": 1}
+
+
+class LegacyFingerprint(ModelFingerprint):
+    """The earlier method, for the same-run comparison: float64 norms, no bit sums."""
+
+    __slots__ = ()
+
+    def compute(self) -> Taken | None:
+        with torch.no_grad():
+            with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+            grads = [self.params[i].grad for i in with_grad]
+            norms = torch.stack(torch._foreach_norm(self.params + grads, 2, dtype=torch.float64))
+            finite = bool(torch.isfinite(norms[len(self.params):]).all())
+            counts = [0] * len(grads) if finite else [int((~torch.isfinite(g)).sum()) for g in grads]  # type: ignore[arg-type]
+            return Taken(norms.tolist(), torch.zeros(len(self.params), dtype=torch.int32), with_grad, counts)
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,6 +90,8 @@ class Mode:
         self.rows = 0
         self.take_ns: list[int] = []  # each fingerprint's take(), timed in place on the training thread
         fps = self.tracer._fingerprints
+        if fps is not None and name == "before":
+            fps.for_model = lambda model_id, m: LegacyFingerprint(model_id, m)
         if fps is not None:
             take = fps.take
 
@@ -154,6 +176,12 @@ def main() -> None:
     print(f"in place: one fingerprint (take() at step exit) {take_us:.1f} us (median of {len(every1.take_ns)}) = "
           f"{out['in_place_every1_pct']:.2f}% of the off step at every step, "
           f"{out['in_place_default_pct']:.3f}% at every {DEFAULT_FINGERPRINT_EVERY}th")
+    before = modes[3]
+    before_us = statistics.median(before.take_ns) / 1000
+    out["before_take_us"] = round(before_us, 1)
+    out["before_in_place_every1_pct"] = round(100 * before_us / off_us, 3)
+    print(f"before (float64 norms, no bit sums), same run: one fingerprint {before_us:.1f} us = "
+          f"{out['before_in_place_every1_pct']:.2f}% of the off step; now {take_us / before_us:.2f}x of it")
     per_fp_poll = statistics.median(every1.poll_ns) / (args.steps + args.warmup) / 1000
     out["sender_poll_us_per_fingerprint"] = round(per_fp_poll, 1)
     out["rows"] = {m.name: m.rows for m in modes}
