@@ -16,6 +16,7 @@ shells; the wire itself is described in ``traceml_wire.messages``.
     OPEN: Batch / RelayBatch events, send_ack  <-->  send_batch / send_rbatch, Ack events
     OPEN: Bye event: CLOSED                    <---  send_bye: CLOSED
     OPEN: send_control -------------------------->  Control event (ControlRefused: a bad one, counted)
+    OPEN, role control: Request event  <-- send_request;  send_answer --> Answer event
     any protocol error after the hello: ProtocolFailure, FAILED (this connection only)
 
 Calling a ``send_*`` the state does not allow raises ``LocalProtocolError`` (a
@@ -198,9 +199,31 @@ class ControlRefused:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Server: a control client's request (validated)."""
+
+    op: str
+    rank: int
+    steps: int
+    request_id: str
+    session: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Control client: the server's answer to its request."""
+
+    request_id: str
+    status: str  # "sent" | "refused"
+    message: str
+    sender: str | None
+    session: str | None
+
+
 Event = (
     Challenge | Accepted | Refused | Ack | Unverified | Hello | BadHello | Batch | RelayBatch | Bye | ProtocolFailure
-    | Control | ControlRefused
+    | Control | ControlRefused | Request | Answer
 )
 
 # States in which frames are not taken from the decoder.
@@ -341,6 +364,15 @@ class ServerConnection(_Connection):
             raise LocalProtocolError(f"bad control: {exc}") from None
         return encode_frame(message)
 
+    def send_answer(self, request_id: str, status: str, text: str, sender: str | None = None,
+                    session: str | None = None) -> bytes:
+        """The answer to a control client's request."""
+        self._require(State.OPEN, action="answer")
+        assert self.hello is not None
+        if self.hello.role != messages.ROLE_CONTROL:
+            raise LocalProtocolError("only a control client is answered")
+        return encode_frame(messages.answer(request_id, status, text[: messages.MAX_ANSWER_CHARS], sender, session))
+
     def send_ack(self, seq: int) -> bytes:
         """Acknowledge every batch up to ``seq`` (cumulative)."""
         self._require(State.OPEN, action="ack")
@@ -352,7 +384,7 @@ class ServerConnection(_Connection):
 
     def _decode_limits(self) -> DecodeLimits:
         """A hello is small; an accepted peer's frames are sized for its role."""
-        if self.hello is None:
+        if self.hello is None or self.hello.role == messages.ROLE_CONTROL:
             return SMALL_MESSAGE_LIMITS
         if self.hello.role == messages.ROLE_RELAY:
             return self._rbatch_limits
@@ -388,10 +420,14 @@ class ServerConnection(_Connection):
             return self._broken("only agents send batch")
         if kind == messages.RELAY_BATCH and role != messages.ROLE_RELAY:
             return self._broken("only relays send rbatch")
+        if kind == messages.REQUEST and role != messages.ROLE_CONTROL:
+            return self._broken("only control clients send request")
         message = messages.validate_client_message(message, self._identities, self._identity_cache_entries)
         if kind == messages.BYE:
             self.state = State.CLOSED
             return Bye()
+        if kind == messages.REQUEST:
+            return Request(message["op"], message["rank"], message["steps"], message["id"], message.get("session"))
         seq = message["seq"]
         if seq <= self._received_seq:
             return self._broken(f"batch seq {seq} after seq {self._received_seq}: seqs rise on a connection")
@@ -484,6 +520,18 @@ class ClientConnection(_Connection):
         self._numbered(seq, self.role)
         return frame
 
+    def send_request(self, op: str, rank: int, steps: int, request_id: str, session: str | None = None) -> bytes:
+        """A control client's request (role control only)."""
+        self._require(State.OPEN, action="send a request")
+        if self.role != messages.ROLE_CONTROL:
+            raise LocalProtocolError(f"a {self.role} does not send requests")
+        message = messages.request(op, rank, steps, request_id, session)
+        try:
+            messages.validate_request(dict(message))
+        except ProtocolError as exc:
+            raise LocalProtocolError(f"bad request: {exc}") from None
+        return encode_frame(message)
+
     def send_bye(self) -> bytes:
         self._require(State.OPEN, action="say bye")
         self.state = State.CLOSED
@@ -519,6 +567,8 @@ class ClientConnection(_Connection):
             if kind != messages.ACCEPT:
                 return self._broken(f"expected accept, got {kind!r}")
             return self._on_accept(message)
+        if kind == messages.ANSWER and self.role == messages.ROLE_CONTROL:
+            return Answer(message["id"], message["status"], message["message"], message["sender"], message["session"])
         if kind != messages.ACK:  # OPEN
             return self._broken(f"unexpected {kind!r} after accept")
         seq = message["seq"]

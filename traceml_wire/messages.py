@@ -10,6 +10,10 @@ Conversation on every connection (server = relay for agents, daemon for relays):
     server -> control   {op, sender, steps, id}  (only to a client whose hello listed
                         "control" in ``caps``; see ``validate_control``)
 
+A client of role ``control`` (``traceml-daemon profile --daemon``) sends no
+batches: after its accept it sends ``request`` {op, rank, steps, id[, session]}
+and the server says ``answer`` {id, status, message[, sender, session]}.
+
 ``cnonce`` (the client's own nonce) and ``proof`` (the server's HMAC over it,
 see ``auth.accept_proof``) make the authentication mutual when a token is set;
 both are optional, so peers without them still talk. The state machine that
@@ -69,12 +73,18 @@ CONTROL_OPS = frozenset({OP_PROFILE})
 MAX_PROFILE_STEPS = 100  # steps one profile request may ask for
 MAX_CONTROL_ID_CHARS = 64
 
+REQUEST = "request"  # control client -> server
+ANSWER = "answer"  # server -> control client
+ANSWER_STATUSES = frozenset({"sent", "refused"})
+MAX_ANSWER_CHARS = 1000
+
 ROLE_AGENT = "agent"
 ROLE_RELAY = "relay"
-ROLES = frozenset({ROLE_AGENT, ROLE_RELAY})
+ROLE_CONTROL = "control"  # a one-shot requester (the CLI); only a daemon takes it
+ROLES = frozenset({ROLE_AGENT, ROLE_RELAY, ROLE_CONTROL})
 
-CLIENT_TYPES = frozenset({HELLO, BATCH, RELAY_BATCH, BYE})
-SERVER_TYPES = frozenset({CHALLENGE, ACCEPT, REFUSE, ACK})
+CLIENT_TYPES = frozenset({HELLO, BATCH, RELAY_BATCH, BYE, REQUEST})
+SERVER_TYPES = frozenset({CHALLENGE, ACCEPT, REFUSE, ACK, ANSWER})
 
 
 def challenge(nonce: bytes) -> dict[str, Any]:
@@ -139,6 +149,23 @@ def ack(seq: int) -> dict[str, Any]:
 
 def bye() -> dict[str, Any]:
     return {"t": BYE}
+
+
+def request(op: str, rank: int, steps: int, request_id: str, session: str | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"t": REQUEST, "op": op, "rank": rank, "steps": steps, "id": request_id}
+    if session is not None:
+        message["session"] = session
+    return message
+
+
+def answer(request_id: str, status: str, text: str, sender: str | None = None,
+           session: str | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"t": ANSWER, "id": request_id, "status": status, "message": text}
+    if sender is not None:
+        message["sender"] = sender
+    if session is not None:
+        message["session"] = session
+    return message
 
 
 def control(op: str, sender: str, steps: int, request_id: str) -> dict[str, Any]:
@@ -216,6 +243,8 @@ def validate_client_message(
             raise ProtocolError("hello cnonce must be 8..64 bytes")
         message["identity"] = clean_identity(message.get("identity", {}))
         message["caps"] = clean_caps(message.get("caps"))
+    elif kind == REQUEST:
+        validate_request(message)
     elif kind == BATCH:
         _seq(message)
         _require(message, "body", bytes)
@@ -270,6 +299,16 @@ def validate_server_message(message: dict[str, Any]) -> dict[str, Any]:
         message["reason"] = reason if isinstance(reason, str) else "refused"
     elif kind == ACK:
         _seq(message)
+    elif kind == ANSWER:
+        _control_id(message.get("id"))
+        status = message.get("status")
+        if type(status) is not str or status not in ANSWER_STATUSES:
+            raise ProtocolError(f"answer status must be one of {sorted(ANSWER_STATUSES)}")
+        text = message.get("message")
+        message["message"] = text[:MAX_ANSWER_CHARS] if isinstance(text, str) else ""
+        for key, cap in (("sender", 200), ("session", 256)):
+            value = message.get(key)
+            message[key] = value[:cap] if isinstance(value, str) else None
     return message
 
 
@@ -295,7 +334,11 @@ def validate_control(message: dict[str, Any]) -> dict[str, Any]:
     steps = message.get("steps")
     if type(steps) is not int or not 1 <= steps <= MAX_PROFILE_STEPS:
         raise ProtocolError(f"control steps must be an int from 1 to {MAX_PROFILE_STEPS}")
-    request_id = message.get("id")
+    request_id = _control_id(message.get("id"))
+    return {"t": CONTROL, "op": op, "sender": sender, "steps": steps, "id": request_id}
+
+
+def _control_id(request_id: object) -> str:
     if (
         type(request_id) is not str
         or not 0 < len(request_id) <= MAX_CONTROL_ID_CHARS
@@ -303,4 +346,21 @@ def validate_control(message: dict[str, Any]) -> dict[str, Any]:
         or not request_id.isprintable()
     ):
         raise ProtocolError(f"control id must be 1..{MAX_CONTROL_ID_CHARS} printable ASCII characters")
-    return {"t": CONTROL, "op": op, "sender": sender, "steps": steps, "id": request_id}
+    return request_id
+
+
+def validate_request(message: dict[str, Any]) -> dict[str, Any]:
+    """A control client's request: a known op, a rank from 0, 1..MAX_PROFILE_STEPS steps,
+    an id as a control's, an optional session of 1..256 characters. Raises ProtocolError."""
+    op = message.get("op")
+    if type(op) is not str or op not in CONTROL_OPS:
+        raise ProtocolError(f"request op must be one of {sorted(CONTROL_OPS)}")
+    rank, steps, session = message.get("rank"), message.get("steps"), message.get("session")
+    if type(rank) is not int or not 0 <= rank < 2**31:
+        raise ProtocolError("request rank must be an int from 0")
+    if type(steps) is not int or not 1 <= steps <= MAX_PROFILE_STEPS:
+        raise ProtocolError(f"request steps must be an int from 1 to {MAX_PROFILE_STEPS}")
+    if session is not None and (type(session) is not str or not 0 < len(session) <= 256):
+        raise ProtocolError("request session must be 1..256 characters")
+    _control_id(message.get("id"))
+    return message

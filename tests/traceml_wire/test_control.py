@@ -12,6 +12,7 @@ from traceml_wire import messages
 from traceml_wire.conversation import (
     Accepted,
     Ack,
+    Answer,
     Challenge,
     ClientConnection,
     Control,
@@ -19,6 +20,7 @@ from traceml_wire.conversation import (
     Hello,
     LocalProtocolError,
     ProtocolFailure,
+    Request,
     ServerConnection,
     State,
 )
@@ -126,3 +128,57 @@ def test_hello_caps_are_cleaned_not_fatal() -> None:
     with pytest.raises(LocalProtocolError, match="unknown capabilities"):
         client.receive_data(ServerConnection(TOKEN).send_challenge())
         client.send_hello(role="agent", sender=AGENT, session="s", identity={}, caps=("telepathy",))
+
+
+def _control_pair() -> tuple[ServerConnection, ClientConnection]:
+    server, client = ServerConnection(TOKEN), ClientConnection(TOKEN)
+    client.receive_data(server.send_challenge())
+    (hello,) = server.receive_data(client.send_hello(role=messages.ROLE_CONTROL, sender="control/1", session="",
+                                                     identity={}))
+    assert isinstance(hello, Hello)
+    assert isinstance(client.receive_data(server.send_accept())[0], Accepted)
+    return server, client
+
+
+def test_a_control_client_asks_and_is_answered() -> None:
+    server, client = _control_pair()
+    (request,) = server.receive_data(client.send_request("profile", 1, 3, "abcd1234", "s1"))
+    assert request == Request("profile", 1, 3, "abcd1234", "s1")
+    (answer,) = client.receive_data(server.send_answer("abcd1234", "sent", "ok", AGENT, "s1"))
+    assert answer == Answer("abcd1234", "sent", "ok", AGENT, "s1")
+
+
+@pytest.mark.parametrize("change", [
+    {"op": "shutdown"}, {"op": ["profile"]}, {"rank": -1}, {"rank": 2**40}, {"rank": None}, {"steps": 0},
+    {"steps": messages.MAX_PROFILE_STEPS + 1}, {"session": ""}, {"session": 5}, {"id": "\x1b[2J"},
+])
+def test_hostile_requests_end_that_connection_only(change: dict[str, Any]) -> None:
+    server, client = _control_pair()
+    (event,) = server.receive_data(encode_frame({**messages.request("profile", 1, 3, "abcd1234"), **change}))
+    assert isinstance(event, ProtocolFailure) and server.state is State.FAILED
+
+
+def test_only_control_clients_request_and_only_they_are_answered() -> None:
+    server, client = open_pair()
+    (event,) = server.receive_data(encode_frame(messages.request("profile", 1, 3, "abcd1234")))
+    assert isinstance(event, ProtocolFailure)
+    server, client = open_pair()
+    with pytest.raises(LocalProtocolError):
+        server.send_answer("abcd1234", "sent", "ok")
+    with pytest.raises(LocalProtocolError):
+        client.send_request("profile", 1, 3, "abcd1234")
+
+
+@pytest.mark.parametrize("change", [{"status": "maybe"}, {"status": {}}, {"id": ""}, {"id": 7}])
+def test_hostile_answers_end_the_control_connection(change: dict[str, Any]) -> None:
+    _, client = _control_pair()
+    (event,) = client.receive_data(encode_frame({**messages.answer("abcd1234", "sent", "ok"), **change}))
+    assert isinstance(event, ProtocolFailure)
+
+
+def test_answer_text_fields_are_cut_not_fatal() -> None:
+    _, client = _control_pair()
+    (event,) = client.receive_data(encode_frame({**messages.answer("abcd1234", "refused", "x" * 5000),
+                                                 "sender": 5, "session": "s" * 400}))
+    assert isinstance(event, Answer)
+    assert len(event.message) == messages.MAX_ANSWER_CHARS and event.sender is None and len(event.session or "") == 256

@@ -3,7 +3,12 @@
 Asks rank R of a live run to record its next K steps with torch.profiler and
 waits for the trace file. How the request travels:
 
-  * CLI -> daemon: a request file in ``PATH.control/``, the directory the daemon
+  * CLI -> daemon, ``--daemon HOST:PORT``: a one-shot connection of role
+    ``control`` to the daemon's port (``profile_wire``), with the challenge,
+    hello MAC and accept proof every relay uses (the token proves both sides);
+    the daemon answers whether it sent the request down. With ``--db`` as well,
+    the rank is checked in, and the trace waited for from, that database.
+  * CLI -> daemon, ``--db PATH`` alone: a request file in ``PATH.control/``, the directory the daemon
     serving ``PATH`` creates (mode 0700) and polls; it answers with a result
     file (``traceml_daemon.net.control_requests``). Whoever can write beside
     the database can read all of it already: the directory's permissions are
@@ -67,7 +72,14 @@ class Trace:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=DEFAULT_DB, help=f"the database a running daemon serves (default ./{DEFAULT_DB})")
+    parser.add_argument("--db", default=None,
+                        help=f"the database a running daemon serves (default ./{DEFAULT_DB}; with --daemon: optional, "
+                             "read to check the rank and wait for the trace)")
+    parser.add_argument("--daemon", default=None, metavar="HOST:PORT",
+                        help="ask the daemon over its port instead (authenticated like relays: --token-file or "
+                             "$TRACEML_TOKEN)")
+    parser.add_argument("--token-file", default=None, help="file holding the shared token (else $TRACEML_TOKEN)")
+    parser.add_argument("--tls-ca", default=None, help="CA file that verifies the daemon's TLS certificate")
     parser.add_argument("--rank", type=int, required=True, help="the global rank to profile")
     parser.add_argument("--steps", type=int, default=3,
                         help=f"how many steps to record, 1..{messages.MAX_PROFILE_STEPS} (default 3)")
@@ -122,20 +134,12 @@ def new_traces(db: str, rank: int, rank_ids: list[int], after: int) -> list[Trac
 def request(db: str, rank: int, steps: int, session: str | None = None,
             answer_timeout: float = ANSWER_TIMEOUT_S) -> Requested:
     """Ask the daemon serving ``db`` to send the request down; ProfileError says why it could not."""
-    if not 1 <= steps <= messages.MAX_PROFILE_STEPS:
-        raise ProfileError(f"--steps {steps}: ask for 1 to {messages.MAX_PROFILE_STEPS} steps")
-    if not os.path.exists(db):
-        raise ProfileError(f"no database at {db}: give the --db a running `traceml-daemon serve` writes")
-    run, rank_ids = _run_ranks(db, session, rank)
+    _check_steps(steps)
+    run, rank_ids, before = _in_run(db, rank, session)
     directory = control_dir(db)
     if not directory.is_dir():
         raise ProfileError(f"no daemon serves {db} (no {directory}/): start `traceml-daemon serve --db {db}` "
-                           "(or `traceml-daemon launch`) and run the job under it")
-    conn = reader.open_readonly(db)
-    try:
-        before = profiles.profiles_mark(conn)
-    finally:
-        conn.close()
+                           "(or `traceml-daemon launch`) and run the job under it, or ask it with --daemon HOST:PORT")
     request_id = secrets.token_hex(8)
     body = {"op": messages.OP_PROFILE, "rank": rank, "steps": steps, "session": run.session}
     try:
@@ -150,15 +154,57 @@ def request(db: str, rank: int, steps: int, session: str | None = None,
         raise ProfileError(f"the daemon serving {db} did not answer within {answer_timeout:.0f} s: "
                            f"is `traceml-daemon serve --db {db}` still running?")
     if answer.get("status") != "sent":
-        message = str(answer.get("message", "refused"))
-        if "not connected" in message:
-            # The rank is in the run (checked above) but no connection carries it now.
-            seen = _last_seen(db, rank_ids)
-            ago = f" (its last data {max(0.0, time.time() - seen):.0f} s ago)" if seen is not None else ""
-            message = (f"rank {rank} of session {run.session} is not connected{ago}: the run finished or the rank "
-                       "lost its connection; profile a running job")
-        raise ProfileError(message)
+        raise ProfileError(_refusal(str(answer.get("message", "refused")), db, rank, run.session, rank_ids))
     return Requested(request_id, run.session, rank, steps, before)
+
+
+def request_over_wire(address: str, token: str | None, rank: int, steps: int, session: str | None = None,
+                      db: str | None = None, tls_ca: str | None = None) -> Requested | None:
+    """Ask the daemon at ``address`` (profile_wire); with ``db`` (that daemon's database, read
+    here) the rank is checked first and the trace can be waited for (None without ``db``)."""
+    from traceml_daemon.commands.profile_wire import WireError, ask
+
+    _check_steps(steps)
+    known = _in_run(db, rank, session) if db is not None else None
+    request_id = secrets.token_hex(8)
+    try:
+        answer = ask(address, token, rank, steps, request_id, known[0].session if known else session, tls_ca)
+    except WireError as exc:
+        raise ProfileError(str(exc)) from None
+    if answer.status != "sent":
+        if known is None:
+            raise ProfileError(answer.message)
+        raise ProfileError(_refusal(answer.message, str(db), rank, known[0].session, known[1]))
+    if known is None:
+        return None
+    return Requested(request_id, known[0].session, rank, steps, known[2])
+
+
+def _check_steps(steps: int) -> None:
+    if not 1 <= steps <= messages.MAX_PROFILE_STEPS:
+        raise ProfileError(f"--steps {steps}: ask for 1 to {messages.MAX_PROFILE_STEPS} steps")
+
+
+def _in_run(db: str, rank: int, session: str | None) -> tuple[reader.RunRef, list[int], int]:
+    """The run, the rank's ids in it and the profiles mark now; ProfileError when the rank is not in it."""
+    if not os.path.exists(db):
+        raise ProfileError(f"no database at {db}: give the --db a running `traceml-daemon serve` writes")
+    run, rank_ids = _run_ranks(db, session, rank)
+    conn = reader.open_readonly(db)
+    try:
+        return run, rank_ids, profiles.profiles_mark(conn)
+    finally:
+        conn.close()
+
+
+def _refusal(message: str, db: str, rank: int, session: str, rank_ids: list[int]) -> str:
+    if "not connected" not in message:
+        return message
+    # The rank is in the run (checked before asking) but no connection carries it now.
+    seen = _last_seen(db, rank_ids)
+    ago = f" (its last data {max(0.0, time.time() - seen):.0f} s ago)" if seen is not None else ""
+    return (f"rank {rank} of session {session} is not connected{ago}: the run finished or the rank lost its "
+            "connection; profile a running job")
 
 
 def _await_answer(directory: Path, request_id: str, timeout: float) -> dict[str, Any] | None:
@@ -199,7 +245,23 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         add_arguments(parser)
         args = parser.parse_args(args)
     try:
-        requested = request(args.db, args.rank, args.steps, args.session)
+        if args.daemon:
+            from traceml_daemon.commands.cli import UsageError, read_token
+
+            try:
+                token = read_token(args.token_file)
+            except UsageError as exc:
+                raise ProfileError(str(exc)) from None
+            found = request_over_wire(args.daemon, token, args.rank, args.steps, args.session, args.db, args.tls_ca)
+            if found is None:
+                print(f"asked rank {args.rank} through {args.daemon} to profile its next {args.steps} steps; the "
+                      "trace is listed by `summary` and `inspect` on that daemon's database once written "
+                      "(give --db to wait for it here)")
+                return 0
+            requested = found
+        else:
+            args.db = args.db or DEFAULT_DB
+            requested = request(args.db, args.rank, args.steps, args.session)
         print(f"asked rank {args.rank} of session {requested.session} to profile its next {args.steps} steps",
               file=sys.stderr, flush=True)
         if args.wait <= 0:

@@ -30,7 +30,7 @@ from traceml_daemon.net.acks import AckWriter
 from traceml_daemon.net.inbound import ByteQueue, QueueClosed
 from traceml_daemon.net.listener import address_of
 from traceml_daemon.net.peer import Batch, as_batch, new_connection, tls_hint
-from traceml_daemon.net.routes import ControlRoutes, RoutedConnection
+from traceml_daemon.net.routes import ControlRoutes, RoutedConnection, RouteError
 from traceml_wire import conversation as conv
 from traceml_wire import messages
 from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
@@ -207,6 +207,9 @@ class PeerHandler:
             return
         if hello is None:
             return
+        if hello.role == messages.ROLE_CONTROL:
+            await self._control_client(peer, conn, hello, frames, writer)
+            return
         route = self.routes.open(hello, conn, writer)
         try:
             while await self._take_frame(peer, conn, hello, frames, acks, route):
@@ -258,6 +261,40 @@ class PeerHandler:
         with contextlib.suppress(Exception):
             writer.write(conn.send_refuse(reason))
             await writer.drain()
+
+    async def _control_client(
+        self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, frames: ServerReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """`traceml-daemon profile --daemon`: answer each request until bye or EOF."""
+        while True:
+            before = conn.frames_received
+            try:
+                async with frames.frame() as events:
+                    self.counters.frames_received += conn.frames_received - before
+                    if events is None:
+                        return
+                    for event in events:
+                        if isinstance(event, conv.Request):
+                            writer.write(self._answer(conn, event))
+                            await writer.drain()
+                            continue
+                        if isinstance(event, conv.ProtocolFailure):
+                            self.counters.protocol_errors += 1
+                            log.warning("closing %s (%s): %s", peer, printable(hello.sender), printable(event.reason))
+                        return
+            except (ReadTimeout, IdleTimeout):
+                return
+
+    def _answer(self, conn: conv.ServerConnection, request: conv.Request) -> bytes:
+        try:
+            sent = self.routes.send(request.session, request.rank, request.steps, request.request_id)
+        except RouteError as exc:
+            log.warning("profile request %s refused: %s", printable(request.request_id), printable(str(exc)))
+            return conn.send_answer(request.request_id, "refused", str(exc))
+        log.info("profile request %s: rank %d, %d steps, sent to %s", printable(request.request_id), request.rank,
+                 request.steps, printable(sent.sender))
+        return conn.send_answer(request.request_id, "sent", f"sent to rank {request.rank}", sent.sender, sent.session)
 
     async def _take_frame(
         self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, frames: ServerReader, acks: AckWriter,
