@@ -65,8 +65,13 @@ def _value(x: float | None) -> float | str | None:
     return x if x is None or math.isfinite(x) else repr(x)
 
 
-def _signature(row: FingerprintRow) -> tuple[int | None, int | None, int | None, int | None]:
-    return _bits(row.param_norm), _bits(row.grad_norm), row.grad_nonfinite, row.param_sum
+def _signature(row: FingerprintRow, exact: bool) -> tuple[int | None, ...]:
+    """What replicas must agree on. With bit sums on every rank (``exact``), those, the
+    non-finite count and whether there is a gradient: float norms may round differently
+    on another CPU or kernel while the tensors are equal. Without, the norms' bits."""
+    if exact:
+        return row.param_sum, row.grad_nonfinite, row.grad_norm is None
+    return _bits(row.param_norm), _bits(row.grad_norm), row.grad_nonfinite
 
 
 def _numbers(row: FingerprintRow) -> dict[str, Any]:
@@ -88,26 +93,28 @@ def replica_verdicts(found: FingerprintEvidence | None, parallelism: str, policy
         by_layer.setdefault((row.model_id, row.idx), {})[row.global_rank] = row
     step = found.mismatch[0].step
     differing: set[int] = set()
-    first: tuple[Key, set[int], dict[int, FingerprintRow], tuple[Any, ...]] | None = None
+    first: tuple[Key, set[int], dict[int, FingerprintRow], int] | None = None
     layers_differing = 0
     for key in sorted(by_layer):
         rows = by_layer[key]
-        counts = Counter(_signature(r) for r in rows.values())
+        exact = all(r.param_sum is not None for r in rows.values())
+        sigs = {g: _signature(r, exact) for g, r in rows.items()}
+        counts = Counter(sigs.values())
         if len(counts) < 2:
             continue
         layers_differing += 1
         # The majority's value; a tie goes to the value of the lowest rank holding a tied one.
         top = max(counts.values())
         tied = {sig for sig, n in counts.items() if n == top}
-        majority = next(_signature(rows[g]) for g in sorted(rows) if _signature(rows[g]) in tied)
-        off = {g for g, r in rows.items() if _signature(r) != majority}
+        majority = next(sigs[g] for g in sorted(rows) if sigs[g] in tied)
+        off = {g for g in rows if sigs[g] != majority}
         differing |= off
         if first is None:
-            first = (key, off, rows, majority)
+            first = (key, off, rows, min(g for g in rows if sigs[g] == majority))
     if first is None:
         return []
-    (model_id, idx), off, rows, majority = first
-    ref = next(r for r in rows.values() if _signature(r) == majority)
+    (model_id, idx), off, rows, ref_rank = first
+    ref = rows[ref_rank]
     ranks = sorted(differing)
     listed = ranks[: policy.max_ranks_listed]
     clear_majority = len(off) * 2 < len(rows)

@@ -25,7 +25,8 @@ POLICY = NumericsPolicy()
 
 
 def row(rank: int, idx: int, param: float, grad: float | None = 1.0, nonfinite: int | None = 0,
-        step: int = 7, bits: int | None = 11) -> FingerprintRow:
+        step: int = 7, bits: int | None = None) -> FingerprintRow:
+    # bits None: a row from before bit sums, compared on its norms
     return FingerprintRow(rank, step, 0, idx, f"l{idx}", param, grad, nonfinite, bits)
 
 
@@ -42,12 +43,21 @@ def test_the_ranks_off_the_majority_and_the_first_layer_are_named() -> None:
 
 def test_equal_norms_with_different_bit_sums_are_a_divergence() -> None:
     # One ULP of a small element rounds away in a norm; the bit sum moves by one.
-    rows = [row(g, 0, 1.0) for g in range(3)] + [row(g, 1, 2.0) for g in range(3)]
+    rows = [row(g, 0, 1.0, bits=11) for g in range(3)] + [row(g, 1, 2.0, bits=11) for g in range(3)]
     rows[3 + 2] = row(2, 1, 2.0, bits=12)
     (v,) = replica_verdicts(FingerprintEvidence(ranks=3, mismatch=rows), "ddp", POLICY)
     ev = v.evidence
     assert (ev["layer"], ev["ranks"]) == ("l1", [2])
     assert ev["expected"]["param_sum"] == 11 and ev["found"]["2"]["param_sum"] == 12
+
+
+def test_with_bit_sums_norms_that_round_differently_are_no_divergence() -> None:
+    # Equal tensors, norms from another CPU's kernel one ULP apart: the bit sums decide.
+    rows = [row(0, 0, 1.0, bits=11), row(1, 0, math.nextafter(1.0, 2.0), 0.5, bits=11)]
+    assert replica_verdicts(FingerprintEvidence(ranks=2, mismatch=rows), "ddp", POLICY) == []
+    rows[1] = row(1, 0, 1.0, nonfinite=3, bits=11)  # the non-finite count still counts
+    (v,) = replica_verdicts(FingerprintEvidence(ranks=2, mismatch=rows), "ddp", POLICY)
+    assert v.evidence["ranks"] == [1]
 
 
 def test_two_ranks_have_no_majority_and_other_parallelisms_are_not_replicas() -> None:
@@ -132,9 +142,13 @@ def test_the_read_layer_adds_fsdp2_shards_squares_and_reads_nan(tmp_path: Path) 
     assert [(r.global_rank, r.layer) for r in found.nonfinite] == [(1, "w")]
     later = fingerprints.evidence(con, run, since_step=6)  # a live window past step 5 sees none of it
     assert later is not None and later.mismatch == [] and later.nonfinite == []
-    # Replicas whose norms agree and whose bit sums do not: that step is the first disagreement.
+    # With bit sums on both ranks: norms one ULP apart and equal sums agree (step 7); equal
+    # norms and different sums do not (step 8), that step is the first disagreement.
+    con.executemany("INSERT INTO fingerprints VALUES (?, 7, 0, 1, 'b', ?, 1.0, 0, 0, 9)",
+                    [(1, 1.0), (2, math.nextafter(1.0, 2.0))])
     con.executemany("INSERT INTO fingerprints VALUES (?, 8, 0, 1, 'b', 1.0, 1.0, 0, 0, ?)", [(1, 9), (2, 10)])
     con.commit()
     found = fingerprints.evidence(con, run, since_step=6)
-    assert found is not None and [(r.global_rank, r.param_sum) for r in found.mismatch] == [(0, 9), (1, 10)]
+    assert found is not None and [(r.step, r.global_rank, r.param_sum) for r in found.mismatch] == [
+        (8, 0, 9), (8, 1, 10)]
     con.close()

@@ -22,16 +22,18 @@ _RUN = "FROM fingerprints f JOIN ranks r ON r.rank_id = f.rank_id WHERE r.sessio
 _ROW = ("SELECT COALESCE(r.global_rank, r.rank_id), f.step, f.model_id, f.idx, f.layer, f.param_norm, f.grad_norm, "
         "f.grad_nonfinite, {sum} ")
 
-# A (step, layer) whose ranks disagree: more than one distinct value of any of the three, or a
-# value some ranks have and others lack. COUNT(DISTINCT) compares REALs exactly, bit for bit.
+# A (step, layer) whose ranks disagree: with bit sums on every rank, more than one distinct sum or
+# non-finite count (float norms may round differently on another CPU while the tensors are equal);
+# without (older rows), more than one distinct value of the norms or count. Or a value some ranks
+# have and others lack. COUNT(DISTINCT) compares exactly, REALs bit for bit.
 # Only models the ranks traced as DDP-wrapped: another model a rank traces may differ by design.
 _DDP_MODEL = ("EXISTS (SELECT 1 FROM models m WHERE m.rank_id = f.rank_id AND m.model_id = f.model_id "
               "AND m.parallelism = 'ddp')")
 _FIRST_MISMATCH = (
     f"SELECT f.step {_RUN} AND f.step >= ? AND {_DDP_MODEL} GROUP BY f.step, f.model_id, f.idx "
     "HAVING COUNT(*) > 1 AND ("
-    "COUNT(DISTINCT f.param_norm) > 1 OR COUNT(DISTINCT f.grad_norm) > 1 OR COUNT(DISTINCT f.grad_nonfinite) > 1 "
-    "OR COUNT(DISTINCT {sum}) > 1 "
+    "COUNT(DISTINCT f.grad_nonfinite) > 1 OR (CASE WHEN COUNT({sum}) = COUNT(*) THEN COUNT(DISTINCT {sum}) > 1 "
+    "ELSE COUNT(DISTINCT f.param_norm) > 1 OR COUNT(DISTINCT f.grad_norm) > 1 END) "
     "OR COUNT(f.param_norm) NOT IN (0, COUNT(*)) OR COUNT(f.grad_norm) NOT IN (0, COUNT(*))) "
     "ORDER BY f.step LIMIT 1"
 )
