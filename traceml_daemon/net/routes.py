@@ -18,6 +18,10 @@ from typing import Any
 from traceml_wire import conversation as conv
 from traceml_wire import messages
 
+# Agent senders remembered per connection: a relay cycling through sender ids costs a
+# missing route for the newest (refused, said by the CLI), never memory.
+MAX_SENDERS_PER_CONNECTION = 65_536
+
 
 @dataclass(eq=False)
 class RoutedConnection:
@@ -41,6 +45,7 @@ class RouteError(Exception):
 class ControlRoutes:
     def __init__(self) -> None:
         self._by_sender: dict[str, RoutedConnection] = {}
+        self.senders_refused = 0  # past MAX_SENDERS_PER_CONNECTION
 
     def open(self, hello: conv.Hello, conn: conv.ServerConnection, writer: asyncio.StreamWriter) -> RoutedConnection | None:
         """The route of a newly accepted connection; None when its peer cannot take control requests."""
@@ -53,6 +58,9 @@ class ControlRoutes:
         by_sender = self._by_sender
         for sender, identity in peers.items():
             if by_sender.get(sender) is not route or route.senders.get(sender) is not identity:
+                if sender not in route.senders and len(route.senders) >= MAX_SENDERS_PER_CONNECTION:
+                    self.senders_refused += 1
+                    continue
                 by_sender[sender] = route
                 route.senders[sender] = identity
 
