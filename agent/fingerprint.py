@@ -48,15 +48,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of its own width (32-bit for 8-byte floats: a one-ULP
-    change moves the sum of the two halves by +-1 or +-2), a view where the width allows."""
+    """The tensor's bits as integers of its own width (32-bit halves for 8-byte floats: a
+    one-ULP change moves their sum by +-1 or +-2). A view of the tensor's memory, except for an
+    8-byte tensor whose elements are not adjacent (a copy)."""
     size = t.element_size()
-    if size == 4:
-        return t.view(torch.int32)
+    if size != 8:
+        return t.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[size])
     flat = t.reshape(-1)
-    if size == 8:
-        return flat.view(torch.int32)
-    return flat.view(torch.int16 if size == 2 else torch.int8)
+    return (flat if flat.stride(0) == 1 else flat.contiguous()).view(torch.int32)
 
 
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +69,7 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
 class ModelFingerprint:
     """The parameter list of one traced model and the calls over it."""
 
-    __slots__ = ("model_id", "names", "params", "sharded", "acc_dtype", "_views", "_host", "_ptrs")
+    __slots__ = ("model_id", "names", "params", "sharded", "acc_dtype", "_views", "_host", "_ptrs", "_copies")
 
     def __init__(self, model_id: int, model: torch.nn.Module) -> None:
         self.model_id = model_id
@@ -86,14 +85,16 @@ class ModelFingerprint:
         self._views: list[torch.Tensor] = []
         self._host: list[tuple[np.ndarray, np.ndarray]] | None = None
         self._ptrs: list[int] = []
+        self._copies = False  # a view is a copy (see _bits): made again at every fingerprint
 
     def _moved(self) -> bool:
         ptrs = [p.data_ptr() for p in self.params]
-        if ptrs == self._ptrs:
+        if ptrs == self._ptrs and not self._copies:
             return False
         self._ptrs = ptrs
         self._views = [_bits(p.detach()) for p in self.params]
-        self._host = _host_views(self.params)
+        self._copies = any(v.data_ptr() != p for v, p in zip(self._views, ptrs, strict=True))
+        self._host = None if self._copies else _host_views(self.params)
         return True
 
     def compute(self) -> Taken | None:

@@ -203,3 +203,20 @@ def test_parameters_numpy_cannot_read_in_place_take_torchs_way_to_the_same_numbe
     for a, b in zip(*rows, strict=True):
         assert a["param_norm"] == pytest.approx(b["param_norm"], rel=2**-20)
         assert a["grad_nonfinite"] == b["grad_nonfinite"] and a["param_sum"] == b["param_sum"]
+
+
+def test_bit_sums_follow_in_place_updates_of_every_layout_and_width() -> None:
+    torch.manual_seed(4)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64).t())  # 8-byte, not adjacent: a copy
+    model.b = torch.nn.Parameter(torch.randn(5, 2).to(torch.bfloat16))  # torch's way (numpy has no bf16)
+    model.c = torch.nn.Parameter(torch.randn(6, 2).t())  # 4-byte, transposed: still a view
+    fp = ModelFingerprint(0, model)
+    params = list(model.parameters())
+    for _ in range(2):
+        got = _sums(fp.compute())
+        assert got == [int(bit_sum(p.detach().contiguous())) for p in params]
+        with torch.no_grad():
+            for p in params:
+                p[0, 1] += 1  # in place: the storage stays, the next sums must move
+    assert fp._host is None
