@@ -45,6 +45,10 @@ class Config:
     capture_output: bool = True  # tee the rank's stdout/stderr to the daemon (agent/output_capture.py)
     output_lines_per_s: float = 20_000.0  # lines captured beyond this rate are dropped and counted
     profile_steps: tuple[int, ...] = ()  # torch.profiler on these steps (agent/profiler.py)
+    # On a GPU: one step in N carries device timing (0: adaptive, keeping the device calls
+    # under device_budget of the step; agent/device_sampling.py).
+    device_every: int = 0
+    device_budget: float = 0.002
     profile_dir: str = "traceml_profiles"  # where the trace files go (traceml-daemon launch: next to the db)
 
 
@@ -83,6 +87,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise ValueError(f"must be positive, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -126,6 +137,8 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_CAPTURE_OUTPUT": ("capture_output", _flag),
     "TRACEML_OUTPUT_LINES_PER_S": ("output_lines_per_s", _positive_float),
     "TRACEML_PROFILE_STEPS": ("profile_steps", lambda s: _profile_steps(s)),
+    "TRACEML_DEVICE_EVERY": ("device_every", lambda s: _non_negative_int(s)),
+    "TRACEML_DEVICE_BUDGET": ("device_budget", _positive_float),
     "TRACEML_PROFILE_DIR": ("profile_dir", lambda s: s.strip() or "traceml_profiles"),
 }
 

@@ -51,6 +51,11 @@ class DeviceSampler:
         self.sampled += 1
         return True
 
+    @property
+    def next_will_be_sampled(self) -> bool:
+        """Whether the next ``next_is_sampled()`` says yes (nothing consumed)."""
+        return self._wait == 0
+
     def observe(self, device_calls_ns: int, step_ns: int) -> None:
         """A sampled step's cost of device calls and its length, both host nanoseconds."""
         policy = self.policy
@@ -64,3 +69,7 @@ class DeviceSampler:
     def statistics(self) -> dict[str, int]:
         return {"device_steps_sampled": self.sampled, "device_steps_host_only": self.skipped,
                 "device_sampling_interval": self.interval}
+
+
+# Device timing on every step (tests of the device path, and anyone who wants it at any cost).
+EVERY_STEP = DeviceSamplingPolicy(every=1)

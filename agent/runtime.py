@@ -190,6 +190,13 @@ class Runtime:
             return self._tracer
         return self._build_tracer()
 
+    def _device_sampling(self) -> dict[str, Any]:
+        """The tracer's device_sampling keyword, only when the configuration asks for other than the default."""
+        from agent.device_sampling import DeviceSamplingPolicy
+
+        policy = DeviceSamplingPolicy(budget=self.config.device_budget, every=self.config.device_every or None)
+        return {} if policy == DeviceSamplingPolicy() else {"device_sampling": policy}
+
     def _build_tracer(self) -> Any:
         with self._tracer_lock:
             if self._tracer_built or self._stopped:
@@ -203,6 +210,7 @@ class Runtime:
                     deep_dive_every=self.config.deep_dive_every,
                     # Only when on: a tracer factory of a test or plug-in need not know the keyword.
                     **({"fingerprint_every": self.config.fingerprint_every} if self.config.fingerprint_every else {}),
+                    **self._device_sampling(),
                     # The tracer warns once per kind with an unprefixed message; one reporter
                     # key per kind so every kind's first failure prints (with one prefix).
                     # "notice:" kinds (ErrorGate.notice) are said once but are not failures.

@@ -40,6 +40,9 @@ from agent.recorder import Recorder
 _perf = time.perf_counter_ns
 # Device triple slot for copies made before the step entered (outside its event window).
 _H2D_OUT = 6
+# What a host-only step of a device tracer leaves empty (agent/device_sampling.py).
+_DEVICE_PHASE_COLUMNS = ("h2d_ns", "forward_ns", "backward_ns", "optimizer_ns", "wait_ns", "comm_ns",
+                         "fwd_comm_ns", "bwd_comm_ns", "replicate_comm_ns")
 
 
 class StepRowsMixin:
@@ -203,7 +206,19 @@ class StepRowsMixin:
         h2d_ns = rec.h2d + rec.h2d_out if self._cuda else None
         # FSDP2 host sums are the wait on CPU only: on a device they time kernel launches.
         fsdp = fsdp2_comm.host_sums(rec) if self._backend is None else None
-        return self._row(rec, step_ns, dl, h2d_ns, rec.fwd, rec.bwd, rec.opt, rec.comm, fsdp)
+        row = self._row(rec, step_ns, dl, h2d_ns, rec.fwd, rec.bwd, rec.opt, rec.comm, fsdp)
+        if self._backend is not None:
+            row["device_timed"] = 0
+        return row
+
+    def _host_only_row(self, rec: StepRecord) -> dict[str, Any]:
+        """A device tracer's step without device timing: its length and input wait as the host
+        saw them; the device phases stay empty (host times there are launch times, not work)."""
+        row = self._host_row(rec)
+        for column in _DEVICE_PHASE_COLUMNS:
+            row[column] = None
+        row["device_timed"] = 0
+        return row
 
     def _row(self, rec: StepRecord, step_ns: int, dl: int | None, h2d_ns: int | None, fwd: int, bwd: int, opt: int,
              comm: list[tuple[int, int]] | None, fsdp: list[int] | None = None) -> dict[str, Any]:
@@ -230,6 +245,8 @@ class StepRowsMixin:
             "rss_bytes": self._rss,
             "model_id": rec.model_id,
             "post_forward_bytes": getattr(rec, "post_fwd", None),
+            # 1: phases timed on the device; 0: a device tracer's step with host timings; None on CPU.
+            "device_timed": None,
         }
         row.update(fsdp2_comm.row_fields(fsdp))
         return row
@@ -264,7 +281,9 @@ class StepRowsMixin:
             except IndexError:
                 return
             events = self._events(rec)
-            if rec.dev_lost:
+            if not rec.sampled:
+                row = self._host_only_row(rec)
+            elif rec.dev_lost:
                 self.device_steps_fallback += 1
                 row = self._host_row(rec)
             elif all(backend.done(ev) for ev in events):
@@ -301,8 +320,10 @@ class StepRowsMixin:
         fsdp = acc[fsdp2_comm.DEVICE_SLOT0:] if fsdp_seen else None
         step_ns = max(0, backend.elapsed_ns(ev_enter, rec.ev_exit)) + rec.dl_out + acc[_H2D_OUT]
         dl = rec.dl_out + rec.dl_in if rec.has_dl else None
-        return self._row(rec, step_ns, dl, acc[H2D] + acc[_H2D_OUT], acc[FORWARD], acc[BACKWARD], acc[OPTIMIZER],
+        row = self._row(rec, step_ns, dl, acc[H2D] + acc[_H2D_OUT], acc[FORWARD], acc[BACKWARD], acc[OPTIMIZER],
                          comm, fsdp)
+        row["device_timed"] = 1
+        return row
 
     def _emit(self, table: str, row: dict[str, Any]) -> None:
         # A failing recorder costs the row, never the step or the model's state.

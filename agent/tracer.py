@@ -42,6 +42,7 @@ from agent.capture.events import EventBackend, default_backend
 from agent.capture.guard import ErrorGate
 from agent.capture.model import ModelInfo, ModelState
 from agent.capture.record import COMM, H2D, StepRecord
+from agent.device_sampling import DeviceSampler, DeviceSamplingPolicy
 from agent.recorder import Recorder
 from agent.step_rows import _H2D_OUT, StepRowsMixin
 from agent.tracer_models import ModelsMixin
@@ -165,6 +166,7 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         "_cuda", "_wall_offset_ns", "_created", "_none_state", "_next_model_id", "_emitted",
         "_dropped_seen", "_scalars", "_rss", "_undo", "_installed", "device_steps_dropped",
         "device_steps_fallback", "device_steps_overflow", "_max_pending", "_backend_undecided", "_fingerprints",
+        "_sampler",
         "__weakref__",
     )
 
@@ -179,6 +181,7 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         event_timeout_s: float = 30.0,
         max_pending_steps: int | None = None,
         fingerprint_every: int = 0,
+        device_sampling: DeviceSamplingPolicy | None = None,
     ) -> None:
         backend: EventBackend | None = default_backend() if event_backend is _AUTO else event_backend
         # A backend picked automatically is confirmed at the first traced model: a CPU job
@@ -207,6 +210,8 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         self._fed_by: int | None = None
         self._models: dict[int, ModelState] = {}
         self._backend = backend
+        # Which steps of a device backend carry device timing (the others are host-only).
+        self._sampler = DeviceSampler(device_sampling)
         self._fetches: dict[int, tuple[int, int]] = {}
         self._fetch_seq = 0
         self._h2d_t0 = 0
@@ -308,7 +313,7 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
     def _h2d_begin(self) -> tuple[int, Any]:
         try:
             t = _perf()
-            ev = self._backend.mark() if self._backend is not None else None
+            ev = self._backend.mark() if self._backend is not None and self._device_next() else None
             self._h2d_t0 = t
             return (t, ev)
         except Exception as exc:
@@ -327,7 +332,7 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
                 rec.h2d += t - t0
                 rec.ph_end = t
                 if self._backend is not None:
-                    self._dev_pair(rec, H2D, ev0)
+                    self._dev_pair(rec, H2D, ev0)  # releases ev0 on a host-only step
             elif self._last is None:
                 # Before the first step: set-up (model.cuda(), buffers), not any step's
                 # input. Charged to step 0, moving a large model would read as seconds of H2D.
@@ -347,7 +352,7 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
 
     def _comm_begin(self) -> tuple[int, Any]:
         try:
-            return (_perf(), self._backend.mark() if self._backend is not None else None)
+            return (_perf(), self._backend.mark() if self._backend is not None and self._device_next() else None)
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
             return (0, None)
@@ -374,9 +379,18 @@ class Tracer(StepRowsMixin, ModelsMixin, RareBranchesMixin):
         except Exception as exc:
             self._gate.fail("ddp_comm", exc)
 
+    def _device_next(self) -> bool:
+        """Whether the step in progress (or, between steps, the next one) carries device timing."""
+        rec = self._active
+        return rec.sampled if rec is not None else self._sampler.next_will_be_sampled
+
     def _dev_pair(self, rec: StepRecord, slot: int, ev0: Any) -> None:
         backend = self._backend
         assert backend is not None
+        if not rec.sampled:  # a host-only step: an event taken before it was known goes back
+            if ev0 is not None:
+                backend.release(ev0)
+            return
         ev1 = backend.mark()
         if ev0 is None or ev1 is None:
             rec.dev_lost = True

@@ -9,6 +9,7 @@ pays for most, so the common CPU step runs none of this.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -18,6 +19,9 @@ from agent.capture.events import EventBackend
 from agent.capture.guard import ErrorGate
 from agent.capture.model import ModelState
 from agent.capture.record import StepRecord
+from agent.device_sampling import DeviceSampler
+
+_perf = time.perf_counter_ns
 
 
 class RareBranchesMixin:
@@ -31,6 +35,7 @@ class RareBranchesMixin:
     _h2d_out: int
     _h2d_out_dev: list[tuple[int, Any, Any]]
     _backend: EventBackend | None
+    _sampler: DeviceSampler
     _deep_every: int
     _pending: deque[StepRecord]
     _max_pending: int
@@ -75,21 +80,37 @@ class RareBranchesMixin:
     def _enter_device(self, rec: StepRecord) -> None:
         backend = self._backend
         assert backend is not None
-        rec.init_device()
+        sampled = self._sampler.next_is_sampled()
+        rec.init_device(sampled)
+        if not sampled:  # a host-only step makes no device call (agent/device_sampling.py)
+            for _, ev0, ev1 in self._h2d_out_dev:
+                backend.release(ev0)
+                backend.release(ev1)
+            self._h2d_out_dev = []
+            return
         rec.dev = self._h2d_out_dev
         self._h2d_out_dev = []
+        t0 = _perf()
         backend.reset_peak()
         rec.ev_enter = backend.mark()
+        rec.dev_cost = _perf() - t0
         if rec.ev_enter is None:
             rec.dev_lost = True
 
     def _exit_device(self, rec: StepRecord) -> None:
+        if not rec.sampled:
+            return
         backend = self._backend
         assert backend is not None
+        t0 = _perf()
         rec.ev_exit = backend.mark()
+        t1 = _perf()
+        rec.peak_bytes, rec.reserved_bytes = backend.memory()
+        # The step's device calls: enter and exit measured, each phase's pair at the exit mark's cost.
+        cost = rec.dev_cost + _perf() - t0 + 2 * len(rec.dev or ()) * (t1 - t0)
+        self._sampler.observe(cost, rec.t_exit - rec.t_enter)
         if rec.ev_exit is None:
             rec.dev_lost = True
-        rec.peak_bytes, rec.reserved_bytes = backend.memory()
 
     def _start_deep(self, rec: StepRecord, state: ModelState) -> None:
         try:

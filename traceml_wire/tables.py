@@ -65,6 +65,9 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("bwd_comm_ns", INT),
         ("replicate_comm_ns", INT),
         ("post_forward_bytes", INT),  # device allocated after the root forward (FSDP2, CUDA); None on CPU
+        # 1: the phases were timed on the device; 0: a GPU step timed on the host only (its
+        # device phases None, agent/device_sampling.py); None on CPU.
+        ("device_timed", INT),
     ),
     # agent.log(name=value) scalars, resolved lazily.
     "scalars": (("step", INT), ("name", TEXT), ("value", REAL)),

@@ -88,7 +88,7 @@ def _fast(tracer: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
             # Reused as the start until the backward returns; written before the depth,
             # which is what status() checks first.
             rec.bwd_end = perf()
-            if backend is not None:
+            if backend is not None and rec.sampled:
                 rec.bwd_ev0 = backend.mark()
             rec.bwd_depth = 1
         except Exception as exc:
@@ -103,7 +103,7 @@ def _fast(tracer: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
                     t = perf()
                     rec.bwd += t - rec.bwd_end
                     rec.bwd_end = rec.ph_end = t
-                    if backend is not None:
+                    if backend is not None and rec.sampled:
                         tracer._dev_pair(rec, BACKWARD, rec.bwd_ev0)
                         rec.bwd_ev0 = None
                     rec.bwd_depth = 0
@@ -122,7 +122,7 @@ def _generic(tracer: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     def opened(rec: Any) -> bool:
         try:
             rec.bwd_end = perf()
-            if backend is not None:
+            if backend is not None and rec.sampled:
                 rec.bwd_ev0 = backend.mark()
             rec.bwd_depth = 1
         except Exception as exc:
@@ -134,7 +134,7 @@ def _generic(tracer: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
             t = perf()
             rec.bwd += t - rec.bwd_end
             rec.bwd_end = rec.ph_end = t
-            if backend is not None:
+            if backend is not None and rec.sampled:
                 tracer._dev_pair(rec, BACKWARD, rec.bwd_ev0)
                 rec.bwd_ev0 = None
             rec.bwd_depth = 0

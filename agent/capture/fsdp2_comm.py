@@ -101,6 +101,8 @@ class Fsdp2Timer:
             try:
                 slot = (BWD_SHARD if rec.bwd_depth else FWD_SHARD) + dim
                 backend = tracer._backend
+                if backend is not None and not rec.sampled:
+                    backend = None  # a host-only step of a device tracer (agent/device_sampling.py)
                 ev0 = backend.mark() if backend is not None else None
                 t0 = perf()
             except Exception as exc:
@@ -276,7 +278,7 @@ def memory_hook(model: torch.nn.Module, tracer: Any) -> Any | None:
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         rec = tracer._active
-        if rec is None:
+        if rec is None or not rec.sampled:  # a memory read is a device call: sampled steps only
             return
         try:
             rec.post_fwd = read()

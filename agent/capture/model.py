@@ -179,7 +179,7 @@ def hook_forward(model: torch.nn.Module, tracer: Any) -> list[Any]:
             depth = rec.fwd_depth
             if depth == 0:
                 rec.fwd_t0 = perf()  # before the depth: status() reads the start once depth > 0
-                if backend is not None:
+                if backend is not None and rec.sampled:
                     rec.fwd_ev0 = backend.mark()
             rec.fwd_depth = depth + 1
         except Exception as exc:
@@ -197,7 +197,7 @@ def hook_forward(model: torch.nn.Module, tracer: Any) -> list[Any]:
                 t = perf()
                 rec.fwd += t - rec.fwd_t0
                 rec.ph_end = t
-                if backend is not None:
+                if backend is not None and rec.sampled:
                     tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
                     rec.fwd_ev0 = None
             rec.fwd_depth = depth - 1
@@ -272,7 +272,7 @@ class TimedCall:
             return self._fn(self._ref(), *args, **kwargs)
         try:
             rec.fwd_t0 = _perf()  # before the depth: status() reads the start once depth > 0
-            if self._backend is not None:
+            if self._backend is not None and rec.sampled:
                 rec.fwd_ev0 = self._backend.mark()
             rec.fwd_depth = 1
         except Exception as exc:
@@ -287,7 +287,7 @@ class TimedCall:
                     t = _perf()
                     rec.fwd += t - rec.fwd_t0
                     rec.ph_end = t
-                    if self._backend is not None:
+                    if self._backend is not None and rec.sampled:
                         self._tracer._dev_pair(rec, FORWARD, rec.fwd_ev0)
                         rec.fwd_ev0 = None
                     rec.fwd_depth = 0

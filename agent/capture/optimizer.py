@@ -30,7 +30,7 @@ def install(tracer: Any) -> Callable[[], None]:
             depth = rec.opt_depth
             if depth == 0:
                 rec.opt_t0 = perf()  # before the depth: status() reads the start once depth > 0
-                if backend is not None:
+                if backend is not None and rec.sampled:
                     rec.opt_ev0 = backend.mark()
             rec.opt_depth = depth + 1
         except Exception as exc:
@@ -49,7 +49,7 @@ def install(tracer: Any) -> Callable[[], None]:
                 rec.opt += t - rec.opt_t0
                 rec.opt_t0 = 0
                 rec.ph_end = t
-                if backend is not None:
+                if backend is not None and rec.sampled:
                     tracer._dev_pair(rec, OPTIMIZER, rec.opt_ev0)
                     rec.opt_ev0 = None
             rec.opt_depth = depth - 1

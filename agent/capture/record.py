@@ -76,6 +76,8 @@ class StepRecord:
         "ev_exit",
         "dev",
         "dev_lost",
+        "sampled",  # this step carries device timing (agent/device_sampling.py)
+        "dev_cost",  # host ns the step's enter spent in device calls
         "peak_bytes",
         "reserved_bytes",
         # FSDP2 (agent.capture.fsdp2_comm): host collective sums, allocated bytes after forward.
@@ -92,8 +94,11 @@ class StepRecord:
     # are written before any read; the row builder reads peak/reserved bytes
     # with a None default.
 
-    def init_device(self) -> None:
-        """The device-path fields (CUDA events, memory), unset on the host path."""
+    def init_device(self, sampled: bool) -> None:
+        """The device-path fields (CUDA events, memory), unset on the host path. Every
+        step of a device tracer has them; only a ``sampled`` one records events."""
+        self.sampled = sampled
+        self.dev_cost = 0
         self.fwd_ev0: Any = None
         self.bwd_ev0: Any = None
         self.opt_ev0: Any = None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agent.batch import BatchBuilder
+from agent.device_sampling import EVERY_STEP
 from agent.errors import ErrorReporter
 from agent.recorder import Recorder
 from agent.tracer import Tracer
@@ -21,7 +22,7 @@ def _builder(recorder: Recorder, tracer: object) -> BatchBuilder:
 def test_resolve_emits_the_steps_whose_events_completed() -> None:
     recorder = Recorder()
     backend = FakeBackend()
-    tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
+    tracer = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=3600)
     tracer.install()
     try:
         builder = _builder(recorder, tracer)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from agent.capture.record import derive_wait
+from agent.device_sampling import EVERY_STEP
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 
@@ -81,7 +82,7 @@ def backend() -> FakeBackend:
 
 @pytest.fixture
 def tracer(recorder: Recorder, backend: FakeBackend) -> Iterator[Tracer]:
-    t = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
+    t = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=3600)
     t.install()
     yield t
     t.uninstall()
@@ -127,7 +128,7 @@ def test_rows_wait_for_events_and_resolve_head_of_line(tracer: Tracer, recorder:
 
 
 def test_unresolved_events_are_dropped_after_the_bound(recorder: Recorder, backend: FakeBackend) -> None:
-    tracer = Tracer(recorder, event_backend=backend, event_timeout_s=0.0)
+    tracer = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=0.0)
     tracer.install()
     try:
         run_steps(tracer, 2)
@@ -144,7 +145,7 @@ def test_unresolved_events_are_dropped_after_the_bound(recorder: Recorder, backe
 
 def test_pool_exhaustion_falls_back_to_host_timing(recorder: Recorder) -> None:
     backend = FakeBackend(cap=3)
-    tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
+    tracer = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=3600)
     tracer.install()
     try:
         run_steps(tracer, 2)
@@ -171,7 +172,7 @@ def test_derive_wait_from_buckets() -> None:
 
 def test_device_queue_is_bounded_oldest_leaves_with_host_timings(recorder: Recorder, backend: FakeBackend) -> None:
     # Nothing polls (a stuck sender thread) and the device never completes an event.
-    tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600, max_pending_steps=4)
+    tracer = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=3600, max_pending_steps=4)
     tracer.install()
     try:
         last = run_steps(tracer, 10)
@@ -252,7 +253,7 @@ def test_resolving_between_flushes_keeps_the_event_pool_from_running_out(recorde
     per_step = 8  # events a CPU-side traced step records: enter, exit, three phase pairs
     for resolve_each_step in (True, False):
         backend = FakeBackend(cap=3 * per_step)
-        tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
+        tracer = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=3600)
         tracer.install()
         try:
             assert tracer.has_device_events

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from agent.capture import fsdp2_comm
+from agent.device_sampling import EVERY_STEP
 from agent.recorder import Recorder
 from agent.tracer import Tracer
 from tests.agent.test_capture_events import FakeBackend
@@ -176,7 +177,7 @@ def test_device_path_brackets_each_collective_with_events() -> None:
     """On a device backend the two events around the call are kept, not the host launch time."""
     backend = FakeBackend()
     recorder = Recorder()
-    tracer = Tracer(recorder, event_backend=backend, event_timeout_s=3600)
+    tracer = Tracer(recorder, event_backend=backend, device_sampling=EVERY_STEP, event_timeout_s=3600)
     real = SimpleNamespace(all_gather_single=lambda *a, **k: time.sleep(0.01),
                            reduce_scatter_single=lambda *a, **k: time.sleep(0.02),
                            all_reduce=lambda *a, **k: time.sleep(0.03), ReduceOp="ops")

@@ -148,8 +148,8 @@ class RankWindow:
         elif step_ns and wait and len(wait) == len(step_ns):
             try:
                 busy = list(map(sub, step_ns, wait))  # the usual case, in C
-            except TypeError:  # a None in either
-                busy = [s - (w or 0) if s is not None else None for s, w in zip(step_ns, wait, strict=True)]
+            except TypeError:  # a None in either: no busy time (a GPU step timed on the host only has no wait)
+                busy = [s - w if s is not None and w is not None else None for s, w in zip(step_ns, wait, strict=True)]
             self.busy_ns.extend(busy)
         elif step_ns:
             self.busy_ns.extend(step_ns)

@@ -80,7 +80,8 @@ def profile_rank(
     prof.captured = {p: any(v) for p, v in phases.items()}
     wait = phases["wait"]
     if measured_wait:
-        prof.busy_ms = _ms(median(s - (w or 0) for s, w in zip(step, wait, strict=True) if s is not None))
+        # A step without its wait (a GPU step timed on the host only) says nothing of busy time.
+        prof.busy_ms = _ms(median(s - w for s, w in zip(step, wait, strict=True) if s is not None and w is not None))
     else:
         prof.busy_ms = prof.step_ms
     prof.work_ms = dict(prof.phases_ms)

@@ -12,7 +12,7 @@ from traceml_wire.identity import IDENTITY, IDENTITY_NAMES, IdentityField
 from traceml_wire.partials import FINE_STEPS, METRICS
 from traceml_wire.tables import INT, PHASES, REAL, TABLES, TEXT
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 _SQL_TYPES = {INT: "INTEGER", REAL: "REAL", TEXT: "TEXT"}
 
@@ -26,7 +26,8 @@ def telemetry_table_ddl(name: str) -> str:
 # not migrated yet lacks them (readers leave them out of their common reads; validation
 # expects them from that version on).
 LATER_COLUMNS: dict[str, dict[str, int]] = {
-    "steps": {"fwd_comm_ns": 10, "bwd_comm_ns": 10, "replicate_comm_ns": 10, "post_forward_bytes": 10},
+    "steps": {"fwd_comm_ns": 10, "bwd_comm_ns": 10, "replicate_comm_ns": 10, "post_forward_bytes": 10,
+              "device_timed": 13},
     "models": {"shard_degree": 10, "replicate_degree": 10},
 }
 
@@ -471,8 +472,27 @@ def _v12() -> list[str]:
     ]
 
 
+# ------------------------------------------- v13: which steps carry device timing
+# steps gain device_timed (agent/device_sampling.py): 1 timed on the device, 0 a GPU step
+# timed on the host only, NULL on CPU and in older rows. Rebuilt, not altered, as v10.
+
+_V13_STEPS = (_V10_TABLES["steps"][0] + ", " + _V10_TABLES["steps"][1])
+
+
+def _v13() -> list[str]:
+    kept = "rowid, rank_id, " + ", ".join(col.split()[0] for col in _V13_STEPS.split(", "))
+    return [
+        f"CREATE TABLE steps_v13 (rank_id INTEGER NOT NULL, {_V13_STEPS}, device_timed INTEGER)",
+        f"INSERT INTO steps_v13 ({kept}) SELECT {kept} FROM steps",
+        "DROP TABLE steps",  # drops its indexes with it
+        "ALTER TABLE steps_v13 RENAME TO steps",
+        f"CREATE INDEX steps_by_group ON steps (rank_id / {RANK_GROUP}, {GROUPED_INDEXES['steps']}, rank_id)",
+    ]
+
+
 # MIGRATIONS[i] brings a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10(), _v11(), _v12()]
+MIGRATIONS: list[list[str]] = [_v1(), _v2(), _v3(), _v4(), _v5(), _v6(), _v7(), _v8(), _v9(), _v10(), _v11(), _v12(),
+                               _v13()]
 
 PRAGMAS = [
     "PRAGMA journal_mode=WAL",
