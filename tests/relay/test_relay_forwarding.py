@@ -242,9 +242,12 @@ def test_non_loopback_without_token_refused(tmp_path: Path) -> None:
 def _span_body(size: int) -> bytes:
     """A valid agent body of exactly ``size`` bytes: one span whose args fill it."""
     from traceml_wire.body import encode_body
+    from traceml_wire.tables import columns
 
     def body(args: str) -> bytes:
-        span = {"name": ["big"], "start_ns": [1], "dur_ns": [2], "step": [0], "args": [args]}
+        # Every column of today's table, as the agent sends it (the unset ones None).
+        span: dict[str, list[object]] = {name: [None] for name in columns("spans")}
+        span.update(name=["big"], start_ns=[1], dur_ns=[2], step=[0], args=[args])
         return encode_body({"spans": span}, sent_ts=1.0)
 
     # Past 64 KiB a string's header is 5 bytes (str32): the size is linear in the length.
