@@ -116,7 +116,7 @@ def _step_rows(rank: int, first_step: int, n: int, rng: random.Random) -> list[d
                      "reserved_bytes": 10 << 30, "rss_bytes": 3 << 30, "model_id": 0,
                      # a DDP agent's rows: the FSDP2 columns travel empty (not measured)
                      "fwd_comm_ns": None, "bwd_comm_ns": None, "replicate_comm_ns": None,
-                     "post_forward_bytes": None})
+                     "post_forward_bytes": None, "device_timed": 1})
     return rows
 
 
