@@ -37,6 +37,9 @@ RELAY_COUNTERS = tuple(f.name for f in fields(RelayStats))
 AGENT_COUNTERS = (
     "recorder_rows", "sender_batches", "sender_bytes", "agent_errors", "tracer_errors",
     "device_steps_dropped", "device_steps_fallback", "device_steps_overflow", "steps_dropped", "scalars_dropped",
+    "output_lines_rate_dropped", "output_lines_full_dropped", "output_lines_cut",  # output capture, on by default
+    "spans_dropped", "session_events_dropped", "session_phases_orphaned", "session_phases_unended",
+    "sessions_untracked",
 )  # fmt: skip
 
 
@@ -71,7 +74,7 @@ def create_db(path: str) -> sqlite3.Connection:
     return con
 
 
-def _insert(con: sqlite3.Connection, table: str, rows: list[tuple[object, ...]]) -> None:
+def insert_rows(con: sqlite3.Connection, table: str, rows: list[tuple[object, ...]]) -> None:
     # Rows state the table's first columns; columns appended later (schema.LATER_COLUMNS,
     # absent from the v1 tables written here) stay NULL, as in a database of before them.
     width = len(rows[0]) - 1 if rows else len(columns(table))
@@ -144,8 +147,8 @@ def build(path: str, spec: SynthSpec = SynthSpec(), version: int = SCHEMA_VERSIO
     )
     # Insert step by step across ranks, the way a live daemon interleaves them.
     rows = [step_row(g + 1, g, s, spec.straggler) for s in range(spec.steps) for g in range(world)]
-    _insert(con, "steps", rows)
-    _insert(
+    insert_rows(con, "steps", rows)
+    insert_rows(
         con,
         "status",
         [(g + 1, end, "idle", end, spec.steps - 1, spec.steps, int(spec.finished)) for g in range(world)],
@@ -194,8 +197,8 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
             scalars.append((g + 1, s, "loss", 2.0 / (1 + s * 0.05)))
             if s % 10 == 0:
                 scalars.append((g + 1, s, "lr", 1e-3))
-    _insert(con, "scalars", scalars)
-    _insert(
+    insert_rows(con, "scalars", scalars)
+    insert_rows(
         con,
         "process",
         [(g + 1, T0 + i, 50.0 + g, 3_000_000_000 + g, None, 12) for g in range(world) for i in range(n)],
@@ -212,9 +215,9 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
             for gi in range(spec.ranks_per_node):
                 power = None if gi == 1 else 250.0
                 gpu_rows.append((rid, T0 + i, gi, 90.0 - gi, 40 * 2**30, 80 * 2**30, 60.0 + gi, power))
-    _insert(con, "system", sys_rows)
-    _insert(con, "gpu", gpu_rows)
-    _insert(
+    insert_rows(con, "system", sys_rows)
+    insert_rows(con, "gpu", gpu_rows)
+    insert_rows(
         con,
         "layers",
         [
@@ -229,7 +232,7 @@ def _detail(con: sqlite3.Connection, spec: SynthSpec, world: int) -> None:
         ],
     )
     shard = 7 * 2**30 // world
-    _insert(
+    insert_rows(
         con,
         "models",
         [

@@ -58,7 +58,7 @@ def test_summary_names_the_first_nonfinite_loss_and_compare_calls_it_divergent(t
     assert not [v for v in json.loads(_cli("summary", "--db", str(good), "--json", "--no-files").stdout)["verdicts"]
                 if v["name"] == "LOSS_NONFINITE"]
     compared = _cli("compare", str(good), str(bad), "--json")
-    assert compared.returncode == 0, compared.stderr
+    assert compared.returncode == 4, compared.stderr  # divergence detected
     result = json.loads(compared.stdout)
     (loss1,) = [s for s in result["scalars"]["series"] if s["name"] == "loss" and s["rank"] == 1]
     assert loss1["first_divergent_step"] == 17 and loss1["b"] == "nan"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.synth_db import SynthSpec, build, step_row
+from tests.support.synth_db import SynthSpec, build, insert_rows, step_row
 from traceml_daemon.analysis.rolling import RankWindow
 from traceml_daemon.ingest.live import Aggregates
 from traceml_daemon.store.migrate import migrate
@@ -50,9 +50,7 @@ def test_sql_buckets_bounded_incremental(tmp_path: Path) -> None:
     assert 0 < len(s.steps) <= 64 and s.steps[-1] == 999
     # Append steps while the reader is open (WAL): the next update extends, still bounded.
     rw = sqlite3.connect(db)
-    rw.executemany(
-        "INSERT INTO steps VALUES (" + ",".join("?" * len(step_row(0, 0, 0, None))) + ")", [step_row(1, 0, i, None) for i in range(1000, 3000)]
-    )
+    insert_rows(rw, "steps", [step_row(1, 0, i, None) for i in range(1000, 3000)])
     rw.commit()
     b.update(ro)
     s = b.series(0)
@@ -90,9 +88,7 @@ def test_incremental_tail_sees_new_steps(tui_db: str) -> None:
     data = TuiData(tui_db, clock=lambda: 0.0)
     assert data.overview().header.latest_step == 199
     rw = sqlite3.connect(tui_db)
-    rw.executemany(
-        "INSERT INTO steps VALUES (" + ",".join("?" * len(step_row(0, 0, 0, None))) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
-    )
+    insert_rows(rw, "steps", [step_row(g + 1, g, 200, None) for g in range(4)])
     rw.commit()
     ov = data.overview()
     assert ov.header.latest_step == 200 and all(r.last_step == 200 for r in ov.ranks)
@@ -266,9 +262,7 @@ def test_changed_is_true_only_after_a_commit(tui_db: str) -> None:
     data.overview()  # its own reads are no change
     assert not data.changed()
     rw = sqlite3.connect(tui_db)
-    rw.executemany(
-        "INSERT INTO steps VALUES (" + ",".join("?" * len(step_row(0, 0, 0, None))) + ")", [step_row(g + 1, g, 200, None) for g in range(4)]
-    )
+    insert_rows(rw, "steps", [step_row(g + 1, g, 200, None) for g in range(4)])
     rw.commit()
     assert data.changed()
     assert not data.changed()
