@@ -4,14 +4,13 @@ readers in other processes), another process never finds itself the WAL's only u
 
 from __future__ import annotations
 
-import os
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests.support.procs import DaemonProcess
+from tests.traceml_daemon.store.test_checkpointer import _commit_pages, _wal_db
 from tests.traceml_daemon.wire_client import RELAY, WireClient, agent_sender, count_steps, peers_for, steps_body
 from traceml_daemon.store import wal_index
 from traceml_daemon.store.checkpointer import Checkpointer
@@ -38,19 +37,6 @@ def _another_process_could_reset_the_wal_index(db: Path) -> bool:
     code = subprocess.run([sys.executable, "-c", _TRY_DMS_EXCLUSIVE, f"{db}-shm", str(_DMS_BYTE)]).returncode
     assert code in (0, 3), code
     return code == 0
-
-
-def _wal_db(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("CREATE TABLE t (a INTEGER, b BLOB)")
-    return conn
-
-
-def _commit_pages(conn: sqlite3.Connection, rows: int = 50) -> None:
-    conn.execute("BEGIN")
-    conn.executemany("INSERT INTO t VALUES (?, ?)", [(i, os.urandom(400)) for i in range(rows)])
-    conn.execute("COMMIT")
 
 
 def test_reading_the_head_keeps_sqlites_locks_and_gives_the_descriptor_back_once_the_file_goes(
