@@ -10,69 +10,30 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
-from textual import work
-from textual.app import ComposeResult
-from textual.binding import Binding
-from textual.containers import VerticalScroll
-from textual.screen import Screen
-from textual.widgets import Footer, Static
 
 from traceml_daemon.store.read.runs import RunRef
-from traceml_daemon.tui.model import Snapshot
 from traceml_daemon.tui.rollouts import NEWEST_SESSIONS, read_rollouts
+from traceml_daemon.tui.screens.reloading import ReloadingScreen
 from traceml_daemon.tui.widgets import clean
 
 _SEVERITY = {"critical": "bold red", "warn": "yellow", "info": "cyan"}
 
 
-class RolloutsScreen(Screen[None]):
-    BINDINGS = [Binding("escape", "app.pop_screen", "Back")]
+class RolloutsScreen(ReloadingScreen):
+    BODY_ID = "rollouts"
 
     def __init__(self, db_path: str, run: RunRef, reload_s: float = 2.0) -> None:
-        super().__init__()
-        self.db_path = db_path
-        self.run = run
-        self.reload_s = reload_s
-        self.loads = 0  # completed loads (tests wait on this)
-        self.summary: dict[str, Any] | None = None
-        self._loading = False
+        super().__init__(db_path, run, reload_s)
+        self.summary: dict[str, Any] | None = None  # the last summary read (tests look at it)
 
-    def compose(self) -> ComposeResult:
-        yield Static(Text(clean(f"Rollouts of session {self.run.session}"), style="bold"), id="header")
-        with VerticalScroll():
-            yield Static("loading…", id="rollouts")
-        yield Footer()
+    def heading(self) -> str:
+        return f"Rollouts of session {self.run.session}"
 
-    def on_mount(self) -> None:
-        self._load()
-        if self.reload_s > 0:
-            self.set_interval(self.reload_s, self._tick)
-
-    def show(self, snap: Snapshot) -> None:
-        """The app's refresh: a commit it saw may have brought sessions; read them."""
-        self._tick()
-
-    def _tick(self) -> None:
-        if not self._loading:
-            self._load()
-
-    @work(thread=True, group="rollouts", exclusive=True, exit_on_error=False)
-    def _load(self) -> None:
-        self._loading = True
-        summary: dict[str, Any] | None = None
-        try:
-            summary = read_rollouts(self.db_path, self.run)
-            body = render(summary)
-        except Exception as exc:  # a locked db: say so, keep the UI alive
-            body = Text(clean(f"{exc.__class__.__name__}: {exc}"), style="red")
-        self.app.call_from_thread(self._show, body, summary)
-
-    def _show(self, body: Text, summary: dict[str, Any] | None) -> None:
-        self._loading = False
-        if summary is not None:
-            self.summary = summary
-        self.query_one("#rollouts", Static).update(body)
-        self.loads += 1
+    def read(self) -> tuple[str | None, Text]:
+        summary = read_rollouts(self.db_path, self.run)
+        body = render(summary)
+        self.summary = summary
+        return None, body
 
 
 def _ms(value: float | None) -> str:
