@@ -13,9 +13,9 @@ import sqlite3
 from typing import Any
 
 from traceml_daemon.analysis.model import RankData
+from traceml_daemon.store.read.steps import rows_at_steps
 from traceml_daemon.store.schema import rank_is
 
-_IN_CHUNK = 500  # steps per IN (...) list: well under SQLite's parameter limit
 STEP_FIELDS = ("fwd_comm_ns", "bwd_comm_ns", "replicate_comm_ns", "post_forward_bytes")
 MODEL_FIELDS = ("local_shard_bytes", "estimated_full_bytes", "shard_degree", "replicate_degree")
 
@@ -59,15 +59,7 @@ def _rows(conn: sqlite3.Connection, rank_id: int, select: str, steps: list[int])
             "ORDER BY step, model_id",
             (rank_id, first, last),
         ).fetchall()
-    out: list[tuple[Any, ...]] = []
-    for i in range(0, len(steps), _IN_CHUNK):
-        part = steps[i : i + _IN_CHUNK]
-        out += conn.execute(
-            f"SELECT step, {select} FROM steps WHERE {rank_is('?1')} AND step IN ({','.join('?' * len(part))}) "
-            "ORDER BY step, model_id",
-            (rank_id, *part),
-        ).fetchall()
-    return out
+    return rows_at_steps(conn, rank_id, f"step, {select}", steps, "step, model_id")
 
 
 def model_facts(conn: sqlite3.Connection, rank_id: int) -> dict[str, int | None] | None:

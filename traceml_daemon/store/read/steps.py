@@ -165,7 +165,7 @@ def rank_step_counts(conn: sqlite3.Connection, rank_id: int) -> StepCounts:
     return step_counts(conn, [rank_id])[rank_id]
 
 
-# Step numbers per statement when fetching chosen steps of a rank.
+# Step numbers per IN (...) list when fetching chosen steps of a rank: well under SQLite's parameter limit.
 _IN_CHUNK = 500
 
 
@@ -189,12 +189,20 @@ def sampled_steps(conn: sqlite3.Connection, rank_id: int, counts: StepCounts, ca
         # steps themselves, read from the index.
         steps = [row[0] for row in conn.execute(f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step", (rank_id,))]
         chosen = sorted(set(steps[::every]) | set(steps[-tail:]))
+    return rows_at_steps(conn, rank_id, _SELECT_STEPS, chosen, "step")
+
+
+def rows_at_steps(
+    conn: sqlite3.Connection, rank_id: int, select: str, steps: Sequence[int], order: str
+) -> list[tuple[Any, ...]]:
+    """``select`` of the rank's step rows at these step numbers (sorted), by index seeks in
+    chunks of ``_IN_CHUNK``, ordered by ``order`` within each chunk."""
     rows: list[tuple[Any, ...]] = []
-    for i in range(0, len(chosen), _IN_CHUNK):
-        part = chosen[i : i + _IN_CHUNK]
+    for i in range(0, len(steps), _IN_CHUNK):
+        part = steps[i : i + _IN_CHUNK]
         rows += conn.execute(
-            f"SELECT {_SELECT_STEPS} FROM steps WHERE {rank_is('?1')} AND step IN ({','.join('?' * len(part))}) "
-            "ORDER BY step",
+            f"SELECT {select} FROM steps WHERE {rank_is('?1')} AND step IN ({','.join('?' * len(part))}) "
+            f"ORDER BY {order}",
             (rank_id, *part),
         ).fetchall()
     return rows
