@@ -12,7 +12,7 @@ import pytest
 
 from relay._frames import Wire
 from relay.node import NodeRelay
-from tests.traceml_daemon.wire_client import agent_sender, steps_body
+from tests.traceml_daemon.wire_client import connect_agent, steps_body
 from traceml_daemon.net.routes import RouteError
 from traceml_daemon.net.server import DaemonServer, ServerConfig
 from traceml_wire import conversation as conv
@@ -20,20 +20,6 @@ from traceml_wire import messages
 
 TOKEN = "ctl-s3cret"
 SESSION = "s1"
-
-
-async def _agent(port: int, rank: int, caps: tuple[str, ...]) -> tuple[Wire, str]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    wire = Wire(reader, writer, conv.ClientConnection(TOKEN))
-    sender = agent_sender(SESSION, rank)
-    while True:
-        (event,) = await wire.events()
-        if isinstance(event, conv.Challenge):
-            await wire.send(wire.conn.send_hello(role=messages.ROLE_AGENT, sender=sender, session=SESSION,
-                                                 identity={"session": SESSION, "global_rank": rank}, caps=caps))
-        else:
-            assert isinstance(event, conv.Accepted), event
-            return wire, sender
 
 
 async def _batch(wire: Wire, seq: int) -> list[conv.Event]:
@@ -56,7 +42,7 @@ def test_a_request_reaches_only_the_rank_asked(tmp_path: Path) -> None:
                           node={"node_rank": 0}, spool_dir=None, flush_interval=0.02)
         await relay.start()
         try:
-            agents = [await _agent(relay.port, rank, caps) for rank, caps in
+            agents = [await connect_agent(relay.port, TOKEN, SESSION, rank, caps) for rank, caps in
                       ((0, (messages.CAP_CONTROL,)), (1, (messages.CAP_CONTROL,)), (2, ()))]
             for wire, _ in agents:
                 await _batch(wire, 1)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sqlite3
 from pathlib import Path
 from typing import Any
 
+from relay._frames import Wire
 from traceml_wire import auth, messages
+from traceml_wire import conversation as conv
 from traceml_wire.body import encode_body
 from traceml_wire.framing import FrameDecoder, encode_frame, unpack_message
 
@@ -112,3 +115,20 @@ def peers_for(*ranks: int) -> dict[str, dict[str, int]]:
     """An rbatch's peers map for agents of session s1, node 0, with these global ranks."""
     return {agent_sender("s1", r): {"global_rank": r, "local_rank": r, "node_rank": 0, "world_size": len(ranks)}
             for r in ranks}
+
+
+async def connect_agent(port: int, token: str, session: str, rank: int,
+                        caps: tuple[str, ...] = (messages.CAP_CONTROL,)) -> tuple[Wire, str]:
+    """An agent of ``rank`` through the real sans-I/O client on an asyncio socket, accepted
+    (it lists ``caps`` in its hello); returns its wire and sender id."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    wire = Wire(reader, writer, conv.ClientConnection(token))
+    sender = agent_sender(session, rank)
+    while True:
+        (event,) = await wire.events()
+        if isinstance(event, conv.Challenge):
+            await wire.send(wire.conn.send_hello(role=messages.ROLE_AGENT, sender=sender, session=session,
+                                                 identity={"session": session, "global_rank": rank}, caps=caps))
+        else:
+            assert isinstance(event, conv.Accepted), event
+            return wire, sender

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from relay._frames import Wire
-from tests.traceml_daemon.wire_client import agent_sender, steps_body
+from tests.traceml_daemon.wire_client import connect_agent, steps_body
 from traceml_daemon.commands.profile_wire import WireError, ask
 from traceml_daemon.net.server import DaemonServer, ServerConfig
 from traceml_wire import conversation as conv
@@ -24,21 +24,12 @@ SESSION = "s1"
 
 
 async def _agent(port: int, rank: int) -> tuple[Wire, str]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    wire = Wire(reader, writer, conv.ClientConnection(TOKEN))
-    sender = agent_sender(SESSION, rank)
-    while True:
-        (event,) = await wire.events()
-        if isinstance(event, conv.Challenge):
-            await wire.send(wire.conn.send_hello(role=messages.ROLE_AGENT, sender=sender, session=SESSION,
-                                                 identity={"session": SESSION, "global_rank": rank},
-                                                 caps=(messages.CAP_CONTROL,)))
-        else:
-            assert isinstance(event, conv.Accepted), event
-            await wire.send(wire.conn.send_batch(1, steps_body(0, 5)))
-            (ack,) = await wire.events()
-            assert ack == conv.Ack(1)
-            return wire, sender
+    """An agent straight on the daemon, its first batch acknowledged (so a route names it)."""
+    wire, sender = await connect_agent(port, TOKEN, SESSION, rank)
+    await wire.send(wire.conn.send_batch(1, steps_body(0, 5)))
+    (ack,) = await wire.events()
+    assert ack == conv.Ack(1)
+    return wire, sender
 
 
 def test_the_control_client_asks_the_daemon_and_the_agent_gets_the_request(tmp_path: Path) -> None:
