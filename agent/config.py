@@ -137,7 +137,7 @@ _ENV: dict[str, tuple[str, Any]] = {
     "TRACEML_CAPTURE_OUTPUT": ("capture_output", _flag),
     "TRACEML_OUTPUT_LINES_PER_S": ("output_lines_per_s", _positive_float),
     "TRACEML_PROFILE_STEPS": ("profile_steps", lambda s: _profile_steps(s)),
-    "TRACEML_DEVICE_EVERY": ("device_every", lambda s: _non_negative_int(s)),
+    "TRACEML_DEVICE_EVERY": ("device_every", _non_negative_int),
     "TRACEML_DEVICE_BUDGET": ("device_budget", _positive_float),
     "TRACEML_PROFILE_DIR": ("profile_dir", lambda s: s.strip() or "traceml_profiles"),
 }
