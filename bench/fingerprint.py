@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import socket
 import statistics
 import sys
 import time
@@ -74,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before each block")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the tests run 1)")
+    p.add_argument("--ddp", type=int, default=0, metavar="N",
+                   help="run as N spawned gloo ranks, every model wrapped in DistributedDataParallel "
+                        "(the replica-divergence setting of the e2e tests); rank 0 reports")
     return p.parse_args()
 
 
@@ -138,19 +142,49 @@ def cost(mode: Mode, base: Mode, clock: str) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
+    if args.ddp > 1:
+        port = _free_port()
+        torch.multiprocessing.spawn(_ddp_rank, args=(args, port), nprocs=args.ddp, join=True)
+    else:
+        measure(args)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ddp_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ddp)
+    try:
+        measure(args, rank=rank, wrap=torch.nn.parallel.DistributedDataParallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(args: argparse.Namespace, rank: int = 0, wrap: Any = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model(64, 256, 4)
     x, y = torch.randn(args.batch, 64), torch.randn(args.batch, 1)
-    modes = [Mode(name, every, copy.deepcopy(model)) for name, every in MODES.items()]
+    # Every rank builds its modes (and under DDP their process-group collectives) in the same order.
+    modes = [Mode(name, every, wrap(copy.deepcopy(model)) if wrap else copy.deepcopy(model))
+             for name, every in MODES.items()]
     for r in range(args.rounds):
         for k in range(len(modes)):
             run_block(modes[(r + k) % len(modes)], x, y, args.warmup, args.steps)
+    if rank != 0:
+        return
     off = modes[0]
     out: dict[str, Any] = {"batch": args.batch, "threads": args.threads, "rounds": args.rounds,
-                           "steps_per_block": args.steps, "default_every": DEFAULT_FINGERPRINT_EVERY}
+                           "steps_per_block": args.steps, "default_every": DEFAULT_FINGERPRINT_EVERY,
+                           "ddp_ranks": args.ddp if wrap else 0}
+    setting = f"DDP over gloo, {args.ddp} ranks (rank 0 reports)" if wrap else "one process"
     print(f"CPU test model (examples/train.py MLP, {sum(p.numel() for p in model.parameters())} parameters in "
-          f"{len(list(model.parameters()))} tensors), batch {args.batch}, {args.threads} thread(s), "
+          f"{len(list(model.parameters()))} tensors), batch {args.batch}, {setting}, {args.threads} thread(s), "
           f"{args.rounds} rounds x {args.steps} steps per mode")
     for clock in ("wall", "cpu"):
         base_us = statistics.median(statistics.median(b) for b in getattr(off, clock)) / 1000
