@@ -187,7 +187,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("model_id", INT),
         ("idx", INT),  # the tensor's position in named_parameters(): "first layer" is the lowest
         ("layer", TEXT),  # the parameter's name
-        ("param_norm", REAL),  # L2 norm, accumulated in float64
+        ("param_norm", REAL),  # L2 norm (float32 accumulation; float64 for a float64 model)
         ("grad_norm", REAL),  # L2 norm of its gradient; None: no gradient
         ("grad_nonfinite", INT),  # NaN and infinite values in the gradient
         ("shard", INT),  # 1: the rank's local shard (FSDP2): the full norm adds the ranks' squares

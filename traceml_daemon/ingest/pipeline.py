@@ -222,7 +222,7 @@ class StoreWriter:
     async def _make_room(self) -> int:
         """The disk is full: the oldest raw rows deleted now, where a size cap allows it."""
         assert self._db is not None
-        deleted = await make_room(self._db, self.retention.policy)
+        deleted = await make_room(self._db, self.retention.policy, self.retention.sweep)
         self.counters.rows_deleted_by_retention += deleted
         return deleted
 

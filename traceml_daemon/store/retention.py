@@ -7,6 +7,8 @@ never waits long behind a delete.
 Only raw time series are trimmed; ``rank_history``, ``node_history``, the
 reservoir, ``ranks``, ``status`` (one row per rank) and ``delivery`` stay, so a
 run's overview, counters and each rank's last status survive the raw rows.
+The raw tables keyed by step (scalars, layers, fingerprints) have no clock:
+they follow their rank's steps (``step_keyed.py``).
 
 "Oldest" is rowid order: rows are appended as they arrive, so the first
 rowids are the oldest, and a chunk is found through the rowid B-tree without
@@ -29,14 +31,15 @@ allows deleting at all.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sqlite3
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from traceml_daemon.store.chunk_delete import delete_chunk
 from traceml_daemon.store.disk_full import is_disk_full
+from traceml_daemon.store.step_keyed import StepKeyedSweep, trim_front
 
 if TYPE_CHECKING:  # annotations only: the command line reads the defaults without loading aiosqlite
     import aiosqlite
@@ -92,27 +95,6 @@ async def used_bytes(db: aiosqlite.Connection) -> int:
     return (pages - free) * size
 
 
-async def _delete_chunk(db: aiosqlite.Connection, sql: str, params: tuple[float | int, ...]) -> int:
-    # One call on the database thread: the writer queues its next transaction on that
-    # thread while the previous one runs, and one queued between this BEGIN and
-    # COMMIT would begin inside it.
-    from traceml_daemon.store.db_thread import on_db_thread  # loads aiosqlite: not at the CLI's import
-
-    return int(await on_db_thread(db, _delete_chunk_now, sql, params))
-
-
-def _delete_chunk_now(conn: sqlite3.Connection, sql: str, params: tuple[float | int, ...]) -> int:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        deleted = conn.execute(sql, params).rowcount
-        conn.execute("COMMIT")
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-        raise
-    return max(0, deleted)
-
-
 async def _fetch(db: aiosqlite.Connection, sql: str, params: tuple[float | int, ...] = ()) -> tuple[object, ...] | None:
     async with db.execute(sql, params) as cur:
         row = await cur.fetchone()
@@ -138,7 +120,7 @@ async def _age_cutoff(
 
 
 async def _trim_age(
-    db: aiosqlite.Connection, policy: RetentionPolicy, now: float, budget: int
+    db: aiosqlite.Connection, policy: RetentionPolicy, now: float, budget: int, sweep: StepKeyedSweep
 ) -> tuple[int, int, bool]:
     """Delete rows older than the cutoff from every raw table; (rows, chunks used, done)."""
     total = chunks = 0
@@ -154,42 +136,48 @@ async def _trim_age(
         while True:
             if chunks >= budget:
                 return total, chunks, False
-            deleted = await _delete_chunk(db, sql, (policy.chunk_rows, cutoff))
+            deleted = await delete_chunk(db, sql, (policy.chunk_rows, cutoff))
             chunks += 1
             total += deleted
+            if deleted and table == "steps":
+                sweep.steps_deleted()
             if deleted < policy.chunk_rows:
                 break
     return total, chunks, True
 
 
-async def _drop_oldest(db: aiosqlite.Connection, policy: RetentionPolicy) -> int | None:
-    """Delete the oldest chunk of steps and the other raw rows no newer; None when no steps are left."""
+async def _drop_oldest(db: aiosqlite.Connection, policy: RetentionPolicy, sweep: StepKeyedSweep) -> int | None:
+    """Delete the oldest chunk of steps, the other raw rows no newer and the step-keyed rows
+    this leaves stale; None when no steps are left."""
     row = await _fetch(
         db, "SELECT max(rowid), max(ts) FROM (SELECT rowid, ts FROM steps ORDER BY rowid LIMIT ?)", (policy.chunk_rows,)
     )
     if row is None or not isinstance(row[0], int):
         return None
     last_ts = row[1]
-    deleted = await _delete_chunk(db, "DELETE FROM steps WHERE rowid <= ?", (row[0],))
+    deleted = await delete_chunk(db, "DELETE FROM steps WHERE rowid <= ?", (row[0],))
     if isinstance(last_ts, (int, float)):
         for table, col, scale in RAW_TABLES[1:]:
-            deleted += await _delete_chunk(
+            deleted += await delete_chunk(
                 db,
                 f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM "
                 f"(SELECT rowid, {col} AS t FROM {table} ORDER BY rowid LIMIT ?) WHERE t <= ?)",
                 (policy.chunk_rows, last_ts * scale),
             )
-    return deleted
+    sweep.steps_deleted()
+    return deleted + await trim_front(db, policy.chunk_rows, policy.max_chunks)
 
 
-async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: int) -> tuple[int, bool]:
+async def _trim_size(
+    db: aiosqlite.Connection, policy: RetentionPolicy, budget: int, sweep: StepKeyedSweep
+) -> tuple[int, bool]:
     """Delete the oldest steps (and other raw rows no newer) until under the size cap; (rows, done)."""
     assert policy.max_db_bytes is not None
     total = 0
     for _ in range(budget):
         if await used_bytes(db) <= policy.max_db_bytes:
             return total, True
-        deleted = await _drop_oldest(db, policy)
+        deleted = await _drop_oldest(db, policy, sweep)
         if deleted is None:
             log.warning("database over --max-db-mb with no raw steps left to delete (history alone is larger)")
             return total, True
@@ -197,7 +185,9 @@ async def _trim_size(db: aiosqlite.Connection, policy: RetentionPolicy, budget: 
     return total, await used_bytes(db) <= policy.max_db_bytes
 
 
-async def make_room(db: aiosqlite.Connection, policy: RetentionPolicy | None) -> int:
+async def make_room(
+    db: aiosqlite.Connection, policy: RetentionPolicy | None, sweep: StepKeyedSweep | None = None
+) -> int:
     """The disk is full below the size cap: delete a pass's worth of the oldest raw rows now, so
     their pages hold what arrives next. Only where a size cap is set: without one the user asked
     to keep every row whatever its size. Returns raw rows deleted (0: nothing could be freed)."""
@@ -206,7 +196,7 @@ async def make_room(db: aiosqlite.Connection, policy: RetentionPolicy | None) ->
     total = 0
     try:
         for _ in range(policy.max_chunks):
-            deleted = await _drop_oldest(db, policy)
+            deleted = await _drop_oldest(db, policy, sweep or StepKeyedSweep())
             if deleted is None:
                 break
             total += deleted
@@ -226,22 +216,30 @@ class Enforced:
     done: bool
 
 
-async def enforce(db: aiosqlite.Connection, policy: RetentionPolicy, now: float) -> Enforced:
-    """Apply ``policy`` once, within its chunk budget."""
+async def enforce(
+    db: aiosqlite.Connection, policy: RetentionPolicy, now: float, sweep: StepKeyedSweep | None = None
+) -> Enforced:
+    """Apply ``policy`` once, within its chunk budget. ``sweep``: the writer's, kept between
+    passes (None: a sweep for this pass alone)."""
+    sweep = sweep or StepKeyedSweep()
     deleted = 0
     done = True
     budget = policy.max_chunks
     if policy.max_age_s is not None:
-        rows, used, done = await _trim_age(db, policy, now, budget)
+        rows, used, done = await _trim_age(db, policy, now, budget, sweep)
         deleted += rows
         budget -= used
     if policy.max_db_bytes is not None:
         if budget > 0:
-            rows, size_done = await _trim_size(db, policy, budget)
+            rows, size_done = await _trim_size(db, policy, budget, sweep)
             deleted += rows
             done = done and size_done
         else:
             done = False
+    if sweep.due and budget > 0:
+        # Not part of ``done``: a lap over big tables goes on at the pass interval.
+        rows, _ = await sweep.run(db, policy.chunk_rows, budget)
+        deleted += rows
     if deleted:
         log.info("retention deleted %d raw rows", deleted)
     return Enforced(deleted, done)
@@ -259,6 +257,7 @@ class RetentionSchedule:
         self._behind = False  # the last pass ran out of budget (see run)
         self._running = False
         self._disk_full_said = False  # a full disk fails every pass: the log says so once
+        self.sweep = StepKeyedSweep()  # where the step-keyed tables' sweep stands
 
     async def maybe_run(self, db: aiosqlite.Connection | None) -> int:
         """After a transaction: a pass when one is due; returns raw rows deleted."""
@@ -280,7 +279,7 @@ class RetentionSchedule:
         if self.policy is None:
             return 0
         try:
-            result = await enforce(db, self.policy, time.time())
+            result = await enforce(db, self.policy, time.time(), self.sweep)
         except (sqlite3.Error, OSError) as exc:
             self._behind = False
             if not is_disk_full(exc):
