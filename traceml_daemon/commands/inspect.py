@@ -112,7 +112,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 def _band_lines(view: StepView) -> list[str]:
     if not view.out_of_band:
         return ["Out of band: none (every rank within the straggler band at this step)"]
-    lines = ["Out of band (busy time = step minus measured wait, against the others' median):"]
+    lines = ["Out of band (busy time = step minus measured wait, under FSDP2 minus the collectives' wait; "
+             "against the others' median):"]
     for o in view.out_of_band:
         where = f"rank {o.global_rank}" + (f" (node {o.node_rank})" if o.node_rank is not None else "")
         what = (f", {o.phase} +{o.phase_excess_ms:.1f} ms" if o.phase is not None and o.phase_excess_ms is not None

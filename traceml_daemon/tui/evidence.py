@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from traceml_daemon.analysis.output_fold import Folded, OutputLine, fold
 from traceml_daemon.store import reader
-from traceml_daemon.store.read import output, steps
+from traceml_daemon.store.read import fsdp2, output, steps
 from traceml_daemon.store.read.connect import connect
 from traceml_daemon.store.read.runs import RunRef
 from traceml_daemon.store.read.step_detail import StepView, load_step
@@ -46,8 +46,9 @@ def default_step(db_path: str, run: RunRef, rank: int | None = None) -> StepPick
 
 
 def verdict_step(db_path: str, run: RunRef, rank: int) -> StepPick:
-    """The step of ``rank``'s recent ones where its busy time (step less measured wait)
-    was furthest above the other ranks' median: where a straggler verdict shows most."""
+    """The step of ``rank``'s recent ones where its busy time was furthest above the other
+    ranks' median: where a straggler verdict shows most. Busy time is the straggler rule's:
+    the step less its measured wait, under FSDP2 less the wait inside its collectives."""
     conn = connect(db_path)
     try:
         busy: dict[int, dict[int, float]] = {}  # global rank -> step -> busy ns
@@ -56,11 +57,14 @@ def verdict_step(db_path: str, run: RunRef, rank: int) -> StepPick:
         for row in reader.load_ranks(conn, run):
             if row.global_rank is None:
                 continue
-            busy[row.global_rank] = {
-                r[at_step]: r[at_ns] - (r[at_wait] or 0)
-                for r in steps.rank_steps(conn, row.rank_id, VERDICT_WINDOW)
-                if r[at_ns] is not None
-            }
+            rows = [r for r in steps.rank_steps(conn, row.rank_id, VERDICT_WINDOW) if r[at_ns] is not None]
+            comm = fsdp2.collective_wait(conn, row.rank_id, sorted(r[at_step] for r in rows))
+            if comm is None:
+                busy[row.global_rank] = {r[at_step]: r[at_ns] - (r[at_wait] or 0) for r in rows}
+            else:
+                busy[row.global_rank] = {
+                    r[at_step]: r[at_ns] - sum(v or 0 for v in comm.get(r[at_step], ())) for r in rows
+                }
     finally:
         conn.close()
     own = busy.get(rank) or {}

@@ -14,6 +14,8 @@ from textual.pilot import Pilot
 from tests.support.synth_db import T0, SynthSpec, build
 from tests.traceml_daemon.tui.conftest import asynctest, make_app, press, settle, static_text
 from traceml_daemon.analysis.model import RunData, Verdict
+from traceml_daemon.store.read.runs import RunRef
+from traceml_daemon.tui.evidence import verdict_step
 from traceml_daemon.tui.screens import LogsScreen, RankScreen, StepScreen
 
 TB = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>', "ValueError: bad shard"]
@@ -112,3 +114,21 @@ async def test_logs_screen_folds_across_ranks_tracebacks_first(evidence_db: str)
         assert lines[0] == "[rank 2 x1] Traceback (most recent call last):"
         assert lines[-1] == "[ranks 0-3 x12] warning: slow input"
         assert "15 lines, 2 distinct" in static_text(screen, "#header")
+
+
+def test_a_verdicts_step_under_fsdp2_is_where_the_rank_was_busiest_net_of_collective_wait(tmp_path: Path) -> None:
+    """Under FSDP2 every rank's step lasts as long: the ranks waiting for rank 3 wait inside
+    their collectives (fwd_comm_ns, bwd_comm_ns), not in wait_ns. Only the busy time net of
+    that wait shows where rank 3 was slowest."""
+    db = build(str(tmp_path / "fsdp2.db"), SynthSpec(parallelism="fsdp2", straggler=None))
+    con = sqlite3.connect(db)
+    worst = 180
+    con.execute("UPDATE steps SET step_ns = 20000000, wait_ns = 0, fwd_comm_ns = 1000000, bwd_comm_ns = 1000000")
+    # At step 180 the others waited 8 ms more in forward for rank 3 (rank_id 4); at 170, 3 ms more.
+    for step, extra in ((worst, 8_000_000), (170, 3_000_000)):
+        con.execute("UPDATE steps SET fwd_comm_ns = 1000000 + ? WHERE step = ? AND rank_id != 4", (extra, step))
+    con.commit()
+    con.close()
+    pick = verdict_step(db, RunRef("run-synth", 0), 3)
+    assert pick.step == worst, pick
+    assert "+8.0 ms busy" in pick.why

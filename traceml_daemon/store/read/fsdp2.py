@@ -49,6 +49,17 @@ def fill_steps(conn: sqlite3.Connection, ranks: list[tuple[int, RankData]]) -> N
         )
 
 
+def collective_wait(conn: sqlite3.Connection, rank_id: int, steps: list[int]) -> dict[int, tuple[Any, Any]] | None:
+    """(fwd_comm_ns, bwd_comm_ns) of the rank's ``steps`` (sorted), by step; None when the
+    database has no such columns or the rank measured none (not an FSDP2 rank)."""
+    if not steps or not has_step_fields(conn):
+        return None
+    by_step: dict[int, tuple[Any, Any]] = {}
+    for step, fwd, bwd in _rows(conn, rank_id, "fwd_comm_ns, bwd_comm_ns", steps):
+        by_step.setdefault(step, (fwd, bwd))
+    return by_step if any(f is not None or b is not None for f, b in by_step.values()) else None
+
+
 def _rows(conn: sqlite3.Connection, rank_id: int, select: str, steps: list[int]) -> list[tuple[Any, ...]]:
     """The rank's rows of these steps (oldest first): one index range where the steps are
     (nearly) all of their span, index seeks by chunks where they are a sample of a long run."""
