@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from traceml_daemon.store.schema import MIGRATIONS
+from traceml_daemon.store.migrations import MIGRATIONS
 from traceml_wire.tables import columns, decode_body
 
 _SPEC = importlib.util.spec_from_file_location("bench_ingest", Path(__file__).parents[2] / "bench" / "ingest.py")

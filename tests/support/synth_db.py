@@ -22,7 +22,8 @@ from dataclasses import dataclass, fields
 from relay.upstream import RelayStats
 from traceml_daemon.ingest.counters import Counters
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS, RANK_COLUMNS, SCHEMA_VERSION
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import PRAGMAS, RANK_COLUMNS, SCHEMA_VERSION
 from traceml_wire.tables import columns
 
 T0 = 1_700_000_000.0  # fixed epoch so snapshots never depend on the clock

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sqlite3
 import time
 
-from traceml_daemon.store.schema import MIGRATIONS, PRAGMAS, SCHEMA_VERSION
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import PRAGMAS, SCHEMA_VERSION
 
 
 class SchemaError(RuntimeError):

@@ -13,7 +13,7 @@ from traceml_daemon.analysis.diff import compare_runs, format_compare, ulp_dista
 from traceml_daemon.analysis.model import RunData
 from traceml_daemon.analysis.scalars import scalar_key, split_key
 from traceml_daemon.commands.compare import load_run, main
-from traceml_daemon.store.schema import MIGRATIONS
+from traceml_daemon.store.migrations import MIGRATIONS
 
 MS = 1_000_000
 

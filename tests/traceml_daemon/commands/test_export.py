@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from traceml_daemon.commands import export
-from traceml_daemon.store.schema import MIGRATIONS, SCHEMA_VERSION
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import SCHEMA_VERSION
 from traceml_wire.tables import PHASES
 
 BASE_TS = 1_700_000_000.0

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from traceml_daemon.commands.compare import split_side
+from traceml_daemon.store.migrations import MIGRATIONS
 from traceml_daemon.store.read.runs import RunRef, UnknownSession, latest_run, resolve_run, run_infos
-from traceml_daemon.store.schema import MIGRATIONS
 from traceml_daemon.tui.follow import RunChoice
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from tests.support.procs import DaemonProcess, free_port, summary
 from tests.traceml_daemon.wire_client import RELAY, WireClient, agent_sender, count_steps, daemon_counters, steps_body
-from traceml_daemon.store.schema import MIGRATIONS, NONFINITE_SCALAR
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import NONFINITE_SCALAR
 from traceml_wire import messages
 from traceml_wire.body import encode_body
 from traceml_wire.bounds import INT64_MAX, MAX_DURATION_NS, MAX_SENDERS_PER_RBATCH

@@ -20,7 +20,8 @@ from traceml_daemon.ingest.decode import Ingestor, Plan
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
 from traceml_daemon.store import reader
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import MIGRATIONS, RANK_COLUMNS, SCHEMA_VERSION
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import RANK_COLUMNS, SCHEMA_VERSION
 from traceml_wire.identity import IDENTITY_NAMES, MAX_CHARS, clean_identity
 
 NODE = {"node_rank": 1, "hostname": "relay-host"}

@@ -20,7 +20,8 @@ from traceml_daemon.ingest import decode
 from traceml_daemon.ingest.pipeline import StoreWriter, WorkItem
 from traceml_daemon.net.inbound import ByteQueue
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import HISTORY_LEVELS, MIGRATIONS, NONFINITE_SCALAR, SCHEMA_VERSION
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import HISTORY_LEVELS, NONFINITE_SCALAR, SCHEMA_VERSION
 from traceml_wire.body import encode_body
 from traceml_wire.bounds import INT64_MAX, MAX_DURATION_NS
 from traceml_wire.tables import PHASES

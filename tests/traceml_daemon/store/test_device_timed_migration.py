@@ -7,7 +7,8 @@ from pathlib import Path
 from tests.traceml_daemon.history_support import ro
 from tests.traceml_daemon.store.test_migrations import _database_at
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import _V13_STEPS, RANK_GROUP, SCHEMA_VERSION
+from traceml_daemon.store.migrations.v13_device_timed import V13_STEPS
+from traceml_daemon.store.schema import RANK_GROUP, SCHEMA_VERSION
 from traceml_wire.tables import columns
 
 
@@ -15,8 +16,8 @@ def test_v12_steps_gain_device_timed_keeping_rows_rowids_and_the_index(tmp_path:
     db = tmp_path / "v12.db"
     conn = _database_at(db, 12)
     # MIGRATIONS[0] makes today's wire tables: put back steps as v12 had it.
-    names = ", ".join(col.split()[0] for col in _V13_STEPS.split(", "))
-    conn.execute(f"CREATE TABLE steps_v12 (rank_id INTEGER NOT NULL, {_V13_STEPS})")
+    names = ", ".join(col.split()[0] for col in V13_STEPS.split(", "))
+    conn.execute(f"CREATE TABLE steps_v12 (rank_id INTEGER NOT NULL, {V13_STEPS})")
     conn.execute(f"INSERT INTO steps_v12 (rowid, rank_id, {names}) SELECT rowid, rank_id, {names} FROM steps")
     conn.execute("DROP TABLE steps")
     conn.execute("ALTER TABLE steps_v12 RENAME TO steps")

@@ -7,7 +7,8 @@ from pathlib import Path
 from tests.traceml_daemon.history_support import ro
 from tests.traceml_daemon.store.test_migrations import _database_at
 from traceml_daemon.store.migrate import migrate
-from traceml_daemon.store.schema import MIGRATIONS, SCHEMA_VERSION
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.schema import SCHEMA_VERSION
 from traceml_wire.tables import columns
 
 

@@ -13,16 +13,10 @@ from pathlib import Path
 from tests.traceml_daemon.history_support import batch, raw_buckets, ro, stored_buckets
 from traceml_daemon.ingest.pipeline import StoreWriter
 from traceml_daemon.store.migrate import migrate
+from traceml_daemon.store.migrations import MIGRATIONS
+from traceml_daemon.store.migrations.v10_fsdp2 import V10_TABLES
 from traceml_daemon.store.reader import latest_run, load_rank_data, load_ranks
-from traceml_daemon.store.schema import (
-    _V10_TABLES,
-    GROUPED_INDEXES,
-    HISTORY_LEVELS,
-    LATEST_SLOT,
-    MIGRATIONS,
-    RANK_GROUP,
-    SCHEMA_VERSION,
-)
+from traceml_daemon.store.schema import GROUPED_INDEXES, HISTORY_LEVELS, LATEST_SLOT, RANK_GROUP, SCHEMA_VERSION
 from traceml_wire.tables import columns
 
 
@@ -240,7 +234,7 @@ def test_v9_steps_and_models_gain_the_fsdp2_columns_keeping_rows_and_rowids(tmp_
     db = tmp_path / "v9.db"
     conn = _database_at(db, 9)
     # MIGRATIONS[0] makes today's wire tables: put back steps and models as v9 had them.
-    for table, (old, _) in _V10_TABLES.items():
+    for table, (old, _) in V10_TABLES.items():
         names = ", ".join(col.split()[0] for col in old.split(", "))
         conn.execute(f"CREATE TABLE {table}_v9 (rank_id INTEGER NOT NULL, {old})")
         conn.execute(f"INSERT INTO {table}_v9 (rowid, rank_id, {names}) SELECT rowid, rank_id, {names} FROM {table}")
