@@ -24,7 +24,7 @@ evolution):
 
 Fields are only ever appended: the daemon's schema creates the first
 ``len(IDENTITY)`` at the time of its v6 step and adds each later one by a
-migration step of its own (traceml_daemon/store/schema.py).
+migration step of its own (traceml_daemon/store/migrations/).
 """
 
 from __future__ import annotations
