@@ -15,7 +15,7 @@ from collections import deque
 from typing import Any
 
 from traceml_wire import messages
-from traceml_wire.conversation import Control
+from traceml_wire.connection_events import Control
 
 SEEN_IDS = 64  # request ids remembered, so a request the relay resent is not run twice
 

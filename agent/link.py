@@ -1,6 +1,6 @@
 """The agent's connection to its relay: a blocking socket under the conversation.
 
-``traceml_wire.conversation.ClientConnection`` holds the whole conversation
+``traceml_wire.client_connection.ClientConnection`` holds the whole conversation
 (challenge, hello, accept with the relay's proof of the token, acks, bye);
 this is only its I/O: a socket with timeouts on the sender thread (no asyncio
 in the training process).
@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from traceml_wire import conversation, messages
-from traceml_wire.conversation import ClientConnection, State
+from traceml_wire import connection_events as conv
+from traceml_wire import messages
+from traceml_wire.client_connection import ClientConnection
+from traceml_wire.connection import State
 from traceml_wire.errors import ProtocolError
 from traceml_wire.limits import set_keepalive
 
@@ -58,8 +60,8 @@ class Link:
         self.conn = conn
         self._cancel = cancel
         self.io_timeout = IO_TIMEOUT_S
-        # Requests the relay passed down (conversation.Control), taken by the sender loop.
-        self.controls: deque[conversation.Control] = deque()
+        # Requests the relay passed down (conv.Control), taken by the sender loop.
+        self.controls: deque[conv.Control] = deque()
         self.controls_refused = 0  # malformed ones and those past MAX_CONTROLS
 
     @classmethod
@@ -86,11 +88,11 @@ class Link:
             deadline = time.monotonic() + timeout
             while True:
                 for event in link._events(deadline):
-                    if isinstance(event, conversation.Challenge):
+                    if isinstance(event, conv.Challenge):
                         link.send(link.conn.send_hello(role=messages.ROLE_AGENT, sender=hello.sender,
                                                        session=hello.session, identity=hello.identity,
                                                        caps=(messages.CAP_CONTROL,)))
-                    elif isinstance(event, conversation.Accepted):
+                    elif isinstance(event, conv.Accepted):
                         return link, event.last_seq  # nothing follows an accept until we send
                     else:
                         link._fail(event)
@@ -98,7 +100,7 @@ class Link:
             link.close(bye=False)
             raise
 
-    def _events(self, deadline: float) -> list[conversation.Event]:
+    def _events(self, deadline: float) -> list[conv.Event]:
         """The next server events, waiting at most until ``deadline``."""
         while True:
             if self._cancel():
@@ -118,10 +120,10 @@ class Link:
                 return events
 
     @staticmethod
-    def _fail(event: conversation.Event) -> NoReturn:
-        if isinstance(event, conversation.Refused):
+    def _fail(event: conv.Event) -> NoReturn:
+        if isinstance(event, conv.Refused):
             raise Refused(event.reason)
-        if isinstance(event, conversation.Unverified):
+        if isinstance(event, conv.Unverified):
             raise Unverified(event.reason)
         raise ProtocolError(getattr(event, "reason", f"unexpected {type(event).__name__}"))
 
@@ -147,16 +149,16 @@ class Link:
             if not data:
                 raise ConnectionError("relay closed the connection")
             for event in self.conn.receive_data(data):
-                if isinstance(event, conversation.Control):
+                if isinstance(event, conv.Control):
                     if len(self.controls) < MAX_CONTROLS:
                         self.controls.append(event)
                     else:
                         self.controls_refused += 1
                     continue
-                if isinstance(event, conversation.ControlRefused):
+                if isinstance(event, conv.ControlRefused):
                     self.controls_refused += 1
                     continue
-                if not isinstance(event, conversation.Ack):
+                if not isinstance(event, conv.Ack):
                     self._fail(event)
                 best = max(best, event.seq)
             if best and time.monotonic() >= deadline:

@@ -24,7 +24,7 @@ from agent.errors import PREFIX, ErrorReporter
 from agent.link import IO_TIMEOUT_S, Cancelled, HelloInfo, Link, Refused, Unverified
 from traceml_wire import messages
 from traceml_wire.body import encode_body
-from traceml_wire.conversation import Control
+from traceml_wire.connection_events import Control
 from traceml_wire.errors import ProtocolError
 from traceml_wire.framing import MAX_AGENT_BODY_BYTES, encode_frame
 from traceml_wire.printable import printable

@@ -1,4 +1,4 @@
-"""One asyncio connection under a conversation state machine (traceml_wire.conversation).
+"""One asyncio connection under a conversation state machine (traceml_wire.connection).
 
 The state machine decides what every byte means; this only moves bytes: it
 reads when the relay asks for the next events and writes what the state
@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 
 from traceml_wire import ProtocolError
-from traceml_wire.conversation import ClientConnection, Event, ServerConnection
+from traceml_wire.client_connection import ClientConnection
+from traceml_wire.connection_events import Event
+from traceml_wire.server_connection import ServerConnection
 
 READ_CHUNK = 64 * 1024
 

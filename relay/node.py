@@ -1,6 +1,6 @@
 """NodeRelay: the loopback server for a node's agents, forwarding upstream.
 
-Per agent connection a ``ServerConnection`` (traceml_wire.conversation) runs
+Per agent connection a ``ServerConnection`` (traceml_wire.server_connection) runs
 the conversation: challenge -> hello (role "agent", HMAC on the token) ->
 accept(last_seq, with the proof of the token) -> for every ``batch``: hold it,
 ack it. Bodies are never unpacked; they travel on as opaque bytes inside
@@ -34,13 +34,14 @@ from relay.upstream import (
     warn,
 )
 from traceml_wire import MAX_AGENT_FRAME_BYTES, ProtocolError
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages as wm
 from traceml_wire.addresses import is_loopback
 from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
 from traceml_wire.limits import ConnectionGate, ConnectionLimits, set_keepalive
 from traceml_wire.printable import printable
 from traceml_wire.ratelimit import LineLimiter
+from traceml_wire.server_connection import ServerConnection
 
 DEFAULT_PORT = 29766
 DEFAULT_DAEMON = ("127.0.0.1", 29765)
@@ -231,7 +232,7 @@ class NodeRelay:
             if not admission.admitted:
                 self.stats.refused_agents += 1
                 self._say("refused", f"refused an agent: {admission.reason}")
-                wire = Wire(reader, writer, conv.ServerConnection(None))
+                wire = Wire(reader, writer, ServerConnection(None))
                 await self._refuse_now(wire, admission.reason)
                 await wire.close()
                 return
@@ -242,7 +243,7 @@ class NodeRelay:
     async def _agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The conversation reads only a hello-sized frame until the hello is accepted
         # (an agent sends nothing else before its accept); then the full agent frame cap.
-        conn = conv.ServerConnection(
+        conn = ServerConnection(
             self._token, roles=frozenset({wm.ROLE_AGENT}), max_frame_bytes=self.max_frame_bytes
         )
         wire = Wire(reader, writer, conn)

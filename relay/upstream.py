@@ -30,8 +30,10 @@ from relay.backoff import Backoff
 from relay.limits import RELAY_LIMITS
 from relay.spool_file import Packed, Spool
 from traceml_wire import ProtocolError, encode_frame, pack_message
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages as wm
+from traceml_wire.client_connection import ClientConnection
+from traceml_wire.connection import State
 from traceml_wire.framing import MAX_RBATCH_ITEMS
 from traceml_wire.limits import ConnectionLimits, set_keepalive
 from traceml_wire.printable import printable
@@ -351,7 +353,7 @@ class Upstream:
                 host, port, ssl=self._ssl, server_hostname=host if self._ssl else None
             )
         set_keepalive(writer.get_extra_info("socket"), self.limits.keepalive)
-        wire = Wire(reader, writer, conv.ClientConnection(self._token))
+        wire = Wire(reader, writer, ClientConnection(self._token))
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 last_seq = await self._handshake(wire)
@@ -403,7 +405,7 @@ class Upstream:
         sent = self._acked  # everything above the ack is resent on a new connection
         while True:
             packed = self._next_after(sent)
-            if packed is None or wire.conn.state is not conv.State.OPEN:  # not after say_bye
+            if packed is None or wire.conn.state is not State.OPEN:  # not after say_bye
                 self._changed.clear()
                 await self._changed.wait()
                 continue
@@ -428,7 +430,7 @@ class Upstream:
         """Tell the daemon this is a clean end of stream (best effort)."""
         self._said_bye = True  # the daemon closes after a bye: no reconnect to race the stop
         wire = self._wire
-        if wire is not None and self.connected and wire.conn.state is conv.State.OPEN:
+        if wire is not None and self.connected and wire.conn.state is State.OPEN:
             try:
                 await asyncio.wait_for(wire.send(wire.conn.send_bye()), 0.5)
             except (TimeoutError, OSError, ConnectionError):

@@ -28,9 +28,10 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from traceml_wire.conversation import Event, ServerConnection
+from traceml_wire.connection_events import Event
 from traceml_wire.framing import HEADER_BYTES
 from traceml_wire.limits import ConnectionLimits
+from traceml_wire.server_connection import ServerConnection
 
 
 class ByteBudget:

@@ -16,8 +16,9 @@ and the server says ``answer`` {id, status, message[, sender, session]}.
 
 ``cnonce`` (the client's own nonce) and ``proof`` (the server's HMAC over it,
 see ``auth.accept_proof``) make the authentication mutual when a token is set;
-both are optional, so peers without them still talk. The state machine that
-says which message is legal when is ``traceml_wire.conversation``.
+both are optional, so peers without them still talk. The state machines that
+say which message is legal when are ``traceml_wire.server_connection`` and
+``traceml_wire.client_connection``.
 
 Unknown fields are ignored everywhere (additive evolution). An unknown message
 type is a ProtocolError for that peer only.

@@ -5,7 +5,7 @@ accept with the held high-water mark and, holding a token, the proof of it,
 or refuse) and acks batches, with knobs to misbehave: hang up before the
 challenge, drop the connection after N batches without acking, never answer
 at all, accept without proving the token (a squatter on the relay port).
-It is written on the raw wire on purpose, apart from traceml_wire.conversation.
+It is written on the raw wire on purpose, apart from traceml_wire.server_connection.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ import threading
 from typing import Any
 
 from agent.link import MAX_CONTROLS, HelloInfo, Link
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages
+from traceml_wire.connection import State
 from traceml_wire.framing import encode_frame
+from traceml_wire.server_connection import ServerConnection
 
 TOKEN = "link-s3cret"
 SENDER = "s1/a0/n0/r1/1-abc"
@@ -22,9 +24,9 @@ def _relay(listener: socket.socket, frames_after_accept: list[bytes], seen: dict
     batch, writes ``frames_after_accept`` and the batch's ack."""
     sock, _ = listener.accept()
     with sock:
-        conn = conv.ServerConnection(TOKEN, roles=frozenset({messages.ROLE_AGENT}))
+        conn = ServerConnection(TOKEN, roles=frozenset({messages.ROLE_AGENT}))
         sock.sendall(conn.send_challenge())
-        while conn.state is not conv.State.DECIDE:
+        while conn.state is not State.DECIDE:
             for event in conn.receive_data(sock.recv(65536)):
                 if isinstance(event, conv.Hello):
                     seen["hello"] = event

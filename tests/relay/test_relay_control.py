@@ -15,7 +15,7 @@ from relay.node import NodeRelay
 from tests.traceml_daemon.wire_client import connect_agent, steps_body
 from traceml_daemon.net.routes import RouteError
 from traceml_daemon.net.server import DaemonServer, ServerConfig
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages
 
 TOKEN = "ctl-s3cret"

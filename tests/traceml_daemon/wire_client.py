@@ -10,8 +10,9 @@ from typing import Any
 
 from relay._frames import Wire
 from traceml_wire import auth, messages
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire.body import encode_body
+from traceml_wire.client_connection import ClientConnection
 from traceml_wire.framing import FrameDecoder, encode_frame, unpack_message
 
 # The sender id the tests' relay connections present in their hello.
@@ -122,7 +123,7 @@ async def connect_agent(port: int, token: str, session: str, rank: int,
     """An agent of ``rank`` through the real sans-I/O client on an asyncio socket, accepted
     (it lists ``caps`` in its hello); returns its wire and sender id."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    wire = Wire(reader, writer, conv.ClientConnection(token))
+    wire = Wire(reader, writer, ClientConnection(token))
     sender = agent_sender(session, rank)
     while True:
         (event,) = await wire.events()

@@ -12,10 +12,11 @@ import pytest
 
 from traceml_wire import auth, messages
 from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
-from traceml_wire.conversation import Event, Hello, RelayBatch, ServerConnection
+from traceml_wire.connection_events import Event, Hello, RelayBatch
 from traceml_wire.framing import encode_frame
 from traceml_wire.limits import ConnectionGate, ConnectionLimits, keepalive_options, set_keepalive
 from traceml_wire.ratelimit import LineLimiter
+from traceml_wire.server_connection import ServerConnection
 
 LIMITS = ConnectionLimits(
     max_connections=2,

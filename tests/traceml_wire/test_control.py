@@ -9,22 +9,21 @@ from typing import Any
 import pytest
 
 from traceml_wire import messages
-from traceml_wire.conversation import (
+from traceml_wire.client_connection import ClientConnection
+from traceml_wire.connection import LocalProtocolError, State
+from traceml_wire.connection_events import (
     Accepted,
     Ack,
     Answer,
     Challenge,
-    ClientConnection,
     Control,
     ControlRefused,
     Hello,
-    LocalProtocolError,
     ProtocolFailure,
     Request,
-    ServerConnection,
-    State,
 )
 from traceml_wire.framing import encode_frame
+from traceml_wire.server_connection import ServerConnection
 
 TOKEN = "ctl-s3cret-token"
 AGENT = "s1/a0/n0/r1/1-abc"

@@ -1,6 +1,6 @@
 """`traceml-daemon profile --daemon HOST:PORT`: the request over the daemon's own port.
 
-A one-shot client of role ``control`` (traceml_wire.conversation): the same
+A one-shot client of role ``control`` (traceml_wire.client_connection): the same
 challenge, hello MAC and accept proof as every relay and agent, so with a token
 both sides prove they hold it; then one ``request`` and the daemon's ``answer``,
 and a bye. A daemon older than the control role refuses the hello; the message
@@ -13,8 +13,9 @@ import socket
 import ssl
 import time
 
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages
+from traceml_wire.client_connection import ClientConnection
 
 TIMEOUT_S = 5.0
 
@@ -42,7 +43,7 @@ def ask(address: str, token: str | None, rank: int, steps: int, request_id: str,
     try:
         if tls_ca:
             sock = ssl.create_default_context(cafile=tls_ca).wrap_socket(sock, server_hostname=host)
-        return _converse(sock, conv.ClientConnection(token), rank, steps, request_id, session, f"{host}:{port}",
+        return _converse(sock, ClientConnection(token), rank, steps, request_id, session, f"{host}:{port}",
                          time.monotonic() + timeout)
     except (OSError, ssl.SSLError) as exc:
         raise WireError(f"lost the daemon at {host}:{port} ({exc}); check --tls-ca against its --tls-cert") from None
@@ -50,7 +51,7 @@ def ask(address: str, token: str | None, rank: int, steps: int, request_id: str,
         sock.close()
 
 
-def _converse(sock: socket.socket, conn: conv.ClientConnection, rank: int, steps: int, request_id: str,
+def _converse(sock: socket.socket, conn: ClientConnection, rank: int, steps: int, request_id: str,
               session: str | None, where: str, deadline: float) -> conv.Answer:
     while True:
         remaining = deadline - time.monotonic()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 
 from traceml_wire import messages
-from traceml_wire.conversation import ServerConnection, State
+from traceml_wire.connection import State
 from traceml_wire.framing import encode_frame
+from traceml_wire.server_connection import ServerConnection
 
 
 class AckWriter:

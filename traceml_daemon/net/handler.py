@@ -31,12 +31,13 @@ from traceml_daemon.net.inbound import ByteQueue, QueueClosed
 from traceml_daemon.net.listener import address_of
 from traceml_daemon.net.peer import Batch, as_batch, new_connection, tls_hint
 from traceml_daemon.net.routes import ControlRoutes, RoutedConnection, RouteError
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages
 from traceml_wire.aio import ByteBudget, IdleTimeout, ReadTimeout, ServerReader
 from traceml_wire.limits import ConnectionGate, ConnectionLimits, set_keepalive
 from traceml_wire.printable import printable
 from traceml_wire.ratelimit import LineLimiter
+from traceml_wire.server_connection import ServerConnection
 
 log = logging.getLogger("traceml_daemon.net.server")
 
@@ -132,7 +133,7 @@ class PeerHandler:
         reason = self._admit(slot, host)
         if reason is not None:
             with contextlib.suppress(Exception):
-                writer.write(conv.ServerConnection(None).send_refuse(reason))
+                writer.write(ServerConnection(None).send_refuse(reason))
                 await writer.drain()
             writer.close()
             return
@@ -219,7 +220,7 @@ class PeerHandler:
                 self.routes.close(route)
 
     async def _await_hello(
-        self, slot: Slot, conn: conv.ServerConnection, frames: ServerReader, writer: asyncio.StreamWriter
+        self, slot: Slot, conn: ServerConnection, frames: ServerReader, writer: asyncio.StreamWriter
     ) -> conv.Hello | None:
         """Read the first frame under the pre-hello cap; accept it if it is a good hello
         and an authenticated slot is free. None once the peer is refused or gone."""
@@ -257,13 +258,13 @@ class PeerHandler:
         return event
 
     @staticmethod
-    async def _refuse(conn: conv.ServerConnection, writer: asyncio.StreamWriter, reason: str) -> None:
+    async def _refuse(conn: ServerConnection, writer: asyncio.StreamWriter, reason: str) -> None:
         with contextlib.suppress(Exception):
             writer.write(conn.send_refuse(reason))
             await writer.drain()
 
     async def _control_client(
-        self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, frames: ServerReader,
+        self, peer: str, conn: ServerConnection, hello: conv.Hello, frames: ServerReader,
         writer: asyncio.StreamWriter,
     ) -> None:
         """`traceml-daemon profile --daemon`: answer each request until bye or EOF."""
@@ -286,7 +287,7 @@ class PeerHandler:
             except (ReadTimeout, IdleTimeout):
                 return
 
-    def _answer(self, conn: conv.ServerConnection, request: conv.Request) -> bytes:
+    def _answer(self, conn: ServerConnection, request: conv.Request) -> bytes:
         try:
             sent = self.routes.send(request.session, request.rank, request.steps, request.request_id)
         except RouteError as exc:
@@ -297,7 +298,7 @@ class PeerHandler:
         return conn.send_answer(request.request_id, "sent", f"sent to rank {request.rank}", sent.sender, sent.session)
 
     async def _take_frame(
-        self, peer: str, conn: conv.ServerConnection, hello: conv.Hello, frames: ServerReader, acks: AckWriter,
+        self, peer: str, conn: ServerConnection, hello: conv.Hello, frames: ServerReader, acks: AckWriter,
         route: RoutedConnection | None = None,
     ) -> bool:
         """Read one frame, its body under the inbound budget, and act on it; False once

@@ -2,7 +2,7 @@
 
 The conversation itself (challenge, hello MAC, accept with the proof of the
 token, which message is legal when, the frame cap of each state) is
-``traceml_wire.conversation.ServerConnection``; the server shell feeds it the
+``traceml_wire.server_connection.ServerConnection``; the server shell feeds it the
 bytes it reads. What is the daemon's alone lives here: the identity cache
 bound from its ingest policy, and the one batch shape the rest of the daemon
 sees (an agent talking to the daemon directly acts as its own relay).
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml_daemon.store.policy import DEFAULT_POLICY
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
+from traceml_wire.server_connection import ServerConnection
 
 
 @dataclass
@@ -31,9 +32,9 @@ class Batch:
     nbytes: int
 
 
-def new_connection(token: str | None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> conv.ServerConnection:
+def new_connection(token: str | None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ServerConnection:
     """The server side of one peer's conversation, agents and relays both welcome."""
-    return conv.ServerConnection(
+    return ServerConnection(
         token, max_frame_bytes=max_frame_bytes, identity_cache_entries=DEFAULT_POLICY.identity_cache_entries
     )
 

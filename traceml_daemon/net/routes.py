@@ -15,8 +15,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages
+from traceml_wire.connection import State
+from traceml_wire.server_connection import ServerConnection
 
 # Agent senders remembered per connection: a relay cycling through sender ids costs a
 # missing route for the newest (refused, said by the CLI), never memory.
@@ -27,7 +29,7 @@ MAX_SENDERS_PER_CONNECTION = 65_536
 class RoutedConnection:
     """One open connection that can take control requests, and the agents it carries."""
 
-    conn: conv.ServerConnection
+    conn: ServerConnection
     writer: asyncio.StreamWriter
     senders: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent sender -> identity
 
@@ -47,7 +49,7 @@ class ControlRoutes:
         self._by_sender: dict[str, RoutedConnection] = {}
         self.senders_refused = 0  # past MAX_SENDERS_PER_CONNECTION
 
-    def open(self, hello: conv.Hello, conn: conv.ServerConnection, writer: asyncio.StreamWriter) -> RoutedConnection | None:
+    def open(self, hello: conv.Hello, conn: ServerConnection, writer: asyncio.StreamWriter) -> RoutedConnection | None:
         """The route of a newly accepted connection; None when its peer cannot take control requests."""
         if messages.CAP_CONTROL not in hello.caps:
             return None
@@ -104,7 +106,7 @@ class ControlRoutes:
                              "say which with --session")
         # Several senders for one rank: a restarted rank reconnected; the newest connection is last.
         sender, route, identity = found[-1]
-        if route.conn.state is not conv.State.OPEN or route.writer.is_closing():
+        if route.conn.state is not State.OPEN or route.writer.is_closing():
             raise RouteError(f"the connection that carries rank {rank} is closing; try again in a few seconds")
         route.writer.write(route.conn.send_control(messages.OP_PROFILE, sender, steps, request_id))
         return Sent(sender, str(identity.get("session")))

@@ -15,8 +15,9 @@ from relay._frames import Wire
 from tests.traceml_daemon.wire_client import connect_agent, steps_body
 from traceml_daemon.commands.profile_wire import WireError, ask
 from traceml_daemon.net.server import DaemonServer, ServerConfig
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
 from traceml_wire import messages
+from traceml_wire.client_connection import ClientConnection
 from traceml_wire.framing import encode_frame
 
 TOKEN = "wire-s3cret"
@@ -58,7 +59,7 @@ def test_the_control_client_asks_the_daemon_and_the_agent_gets_the_request(tmp_p
                 """A control client that sends a batch: closed, counted."""
                 import socket
 
-                conn = conv.ClientConnection(TOKEN)
+                conn = ClientConnection(TOKEN)
                 with socket.create_connection(("127.0.0.1", server.bound[1]), timeout=5) as sock:  # type: ignore[index]
                     conn.receive_data(sock.recv(4096))
                     sock.sendall(conn.send_hello(role="control", sender="control/x", session="", identity={}))

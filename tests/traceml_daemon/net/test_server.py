@@ -20,8 +20,10 @@ from tests.traceml_daemon.wire_client import (
 )
 from traceml_daemon.net.peer import as_batch, new_connection, tls_hint
 from traceml_wire import auth, messages
-from traceml_wire import conversation as conv
+from traceml_wire import connection_events as conv
+from traceml_wire.connection import State
 from traceml_wire.framing import HEADER_BYTES, encode_frame
+from traceml_wire.server_connection import ServerConnection
 
 
 def test_ack_only_after_rows_are_committed_and_resend_is_deduplicated(tmp_path: Path) -> None:
@@ -156,7 +158,7 @@ def test_kill9_and_restart_on_the_same_db_keeps_counts_exact(tmp_path: Path) -> 
 # --------------------------- the daemon's policy around the conversation
 
 
-def _hello_frame(session: conv.ServerConnection, token: str | None, role: str = messages.ROLE_RELAY,
+def _hello_frame(session: ServerConnection, token: str | None, role: str = messages.ROLE_RELAY,
                  sender: str = RELAY, identity: dict[str, Any] | None = None) -> bytes:
     mac = auth.hello_mac(token, session.nonce, role, sender)
     return encode_frame(messages.hello(role=role, sender=sender, session="s1",
@@ -164,7 +166,7 @@ def _hello_frame(session: conv.ServerConnection, token: str | None, role: str = 
 
 
 def _accepted(token: str | None, role: str = messages.ROLE_RELAY, sender: str = RELAY,
-              identity: dict[str, Any] | None = None, **kw: Any) -> tuple[conv.ServerConnection, conv.Hello]:
+              identity: dict[str, Any] | None = None, **kw: Any) -> tuple[ServerConnection, conv.Hello]:
     session = new_connection(token, **kw)
     session.send_challenge()
     (hello,) = session.receive_data(_hello_frame(session, token, role, sender, identity))
@@ -185,7 +187,7 @@ def test_session_accepts_a_good_hello_then_batches_split_anywhere() -> None:
     assert isinstance(batch, conv.RelayBatch)
     normal = as_batch(events[0], batch)
     assert normal.items == [[a0, 1, b"x"]] and normal.stats == {"d": 1} and normal.seq == 1
-    assert session.state is conv.State.OPEN
+    assert session.state is State.OPEN
 
 
 def test_session_reads_header_then_body_as_the_daemon_does() -> None:
@@ -197,10 +199,10 @@ def test_session_reads_header_then_body_as_the_daemon_does() -> None:
     assert session.next_frame_length == len(rbatch) - HEADER_BYTES
     (batch,) = session.receive_data(rbatch[HEADER_BYTES:])
     assert isinstance(batch, conv.RelayBatch) and as_batch(hello, batch).items == [[a0, 1, b"x"]]
-    assert session.frames_received == 2 and session.state is conv.State.OPEN
+    assert session.frames_received == 2 and session.state is State.OPEN
     (over,) = session.receive_data(struct.pack(">I", 4097))  # over the cap: refused from the header
     assert isinstance(over, conv.ProtocolFailure) and over.oversize and over.declared == 4097
-    assert session.state is conv.State.FAILED and session.receive_data(rbatch) == []
+    assert session.state is State.FAILED and session.receive_data(rbatch) == []
 
 
 def test_session_refuses_a_wrong_mac_and_ignores_what_follows() -> None:
@@ -208,9 +210,9 @@ def test_session_refuses_a_wrong_mac_and_ignores_what_follows() -> None:
     session.send_challenge()
     events = session.receive_data(_hello_frame(session, "other") + encode_frame(messages.bye()))
     assert len(events) == 1 and isinstance(events[0], conv.BadHello) and "token" in events[0].reason
-    assert session.state is conv.State.MUST_REFUSE
+    assert session.state is State.MUST_REFUSE
     session.send_refuse(events[0].reason)
-    assert session.state is conv.State.CLOSED
+    assert session.state is State.CLOSED
 
 
 def test_session_unknown_type_after_hello_fails_that_peer() -> None:
