@@ -19,9 +19,12 @@ from types import ModuleType
 
 from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.net.limits import DAEMON_LIMITS
+from traceml_daemon.net.verdict_profiles import DEFAULT_STEPS as PROFILE_ON_VERDICT_STEPS
+from traceml_daemon.net.verdict_profiles import MAX_PROFILES_PER_RUN as PROFILE_ON_VERDICT_PER_RUN
 from traceml_daemon.store.retention import DEFAULT_MAX_DB_MB, DEFAULT_RETENTION_DAYS
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
 from traceml_wire.limit_flags import add_limit_arguments, limits_from_args
+from traceml_wire.messages import MAX_PROFILE_STEPS
 
 DEFAULT_DB = "traceml.db"
 DEFAULT_PORT = 29765
@@ -62,6 +65,13 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
+def _profile_steps(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_PROFILE_STEPS:
+        raise argparse.ArgumentTypeError(f"{value}: profile 1 to {MAX_PROFILE_STEPS} steps")
     return value
 
 
@@ -120,6 +130,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-everything", action="store_true",
                    help="no retention at all: --retention-days 0 --max-db-mb 0")
     add_policy_argument(p)
+    p.add_argument("--profile-on-verdict", type=_profile_steps, nargs="?", const=PROFILE_ON_VERDICT_STEPS,
+                   default=None, metavar="K",
+                   help="profile the rank a straggler verdict names: its next K steps with torch.profiler "
+                        f"(default {PROFILE_ON_VERDICT_STEPS}), once per rank, at most {PROFILE_ON_VERDICT_PER_RUN} "
+                        "per run (docs/tracing.md)")
     p.add_argument("--shared-files", action="store_true",
                    help="make the database, logs and summaries readable by others (default: owner only, 0600)")
 
@@ -202,6 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         retention_days=retention_days,
         max_db_mb=max_db_mb,
         policy=policy,
+        profile_on_verdict=args.profile_on_verdict,
     )
     logging.getLogger("traceml_daemon.commands.cli").info("retention: %s", retention_text(retention_days, max_db_mb))
     if args.tui:

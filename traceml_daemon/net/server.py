@@ -30,6 +30,7 @@ from traceml_daemon.net.handler import READ_BUFFER, PeerHandler
 from traceml_daemon.net.inbound import ByteBudget, ByteQueue
 from traceml_daemon.net.limits import DAEMON_LIMITS
 from traceml_daemon.net.listener import TLSListener, listen_tls, listening_port
+from traceml_daemon.net.verdict_profiles import VerdictProfiler
 from traceml_daemon.store.retention import RetentionPolicy
 from traceml_wire.framing import DEFAULT_MAX_FRAME_BYTES
 from traceml_wire.limits import ConnectionLimits
@@ -54,6 +55,7 @@ class ServerConfig:
     retention_days: float | None = None  # delete raw rows older than this (history stays)
     max_db_mb: float | None = None  # delete the oldest raw rows while the db uses more
     policy: Policy | None = None  # thresholds of the live diagnosis on /metrics (None: the defaults)
+    profile_on_verdict: int | None = None  # K: profile the rank a straggler verdict names (net/verdict_profiles.py)
 
 
 class DaemonServer:
@@ -81,6 +83,11 @@ class DaemonServer:
         )
         # `traceml-daemon profile --db` requests, beside the database (net/control_requests.py).
         self.controls = ControlRequests(config.db_path, self.peers.routes)
+        self.verdict_profiles: VerdictProfiler | None = None
+        if config.profile_on_verdict:
+            # Its requests take the same route as the CLI's (ControlRoutes.send).
+            self.verdict_profiles = VerdictProfiler(config.db_path, self.peers.routes, config.profile_on_verdict,
+                                                    config.policy)
         self._tg: asyncio.TaskGroup | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.bound: tuple[str, int] | None = None
@@ -122,6 +129,7 @@ class DaemonServer:
                     log.info("listening on %s:%d (db %s)", self.config.host, port, self.config.db_path)
                     writer_task = tg.create_task(self.writer.run(self.queue))
                     controls = tg.create_task(self.controls.run())
+                    watcher = tg.create_task(self.verdict_profiles.run()) if self.verdict_profiles else None
                     memdebug = self._start_memdebug(tg)
                     await stop.wait()
                     log.info("stopping: draining %d queued batches", len(self.queue))
@@ -129,6 +137,8 @@ class DaemonServer:
                     await self.queue.close()  # handlers blocked in put() give up; those batches were never acked
                     await writer_task
                     controls.cancel()
+                    if watcher is not None:
+                        watcher.cancel()
                     if memdebug is not None:
                         memdebug.cancel()
                     # Handlers are parked on reads; end them now that nothing more can be stored.
