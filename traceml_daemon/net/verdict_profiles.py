@@ -19,12 +19,15 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from traceml_daemon.analysis.model import Verdict
 from traceml_daemon.analysis.policy import Policy
-from traceml_daemon.net.routes import ControlRoutes, RouteError
 from traceml_daemon.store.read.runs import RunRef
 from traceml_wire.printable import printable
+
+if TYPE_CHECKING:  # the command line reads this module's defaults without the wire stack
+    from traceml_daemon.net.routes import ControlRoutes
 
 log = logging.getLogger("traceml_daemon.net.verdict_profiles")
 
@@ -183,6 +186,8 @@ class VerdictProfiler:
                          printable(c.run.session), self.ledger.cap, c.verdict, c.rank)
 
     def _ask(self, c: Culprit, now: float) -> str:
+        from traceml_daemon.net.routes import RouteError
+
         request_id = secrets.token_hex(8)
         detail = ""
         try:
