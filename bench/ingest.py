@@ -123,7 +123,7 @@ def _step_rows(rank: int, first_step: int, n: int, rng: random.Random) -> list[d
 _POOL = 4096  # random step rows per worker, reused with advancing step numbers
 
 
-# The loss counters a real agent reports (agent/runtime.py and Tracer.counters on a GPU).
+# The loss counters a real agent reports (agent/rank_runtime.py and Tracer.counters on a GPU).
 AGENT_COUNTERS = ("recorder_rows", "sender_batches", "sender_bytes", "agent_errors", "tracer_errors",
                   "device_steps_dropped", "device_steps_fallback", "device_steps_overflow", "steps_dropped",
                   "scalars_dropped", "events_exhausted")

@@ -34,7 +34,7 @@ class ErrorGate:
 
     def notice(self, kind: str, message: str) -> None:
         """One line for the user, not a failure: not counted here, and its kind is
-        "notice:" + ``kind`` so the caller's printer (agent.runtime) does not count it either."""
+        "notice:" + ``kind`` so the caller's printer (agent.tracer_build) does not count it either."""
         try:
             self._warn("notice:" + kind, message)
         except Exception:

@@ -370,7 +370,7 @@ def test_uninstall_restores_everything(recorder: Recorder) -> None:
 def test_each_tracer_error_kind_prints_once_with_one_prefix(capsys: pytest.CaptureFixture[str]) -> None:
     from agent.config import load_config
     from agent.errors import ErrorReporter
-    from agent.runtime import Runtime
+    from agent.rank_runtime import Runtime
 
     config, _ = load_config({"TRACEML_NO_RELAY": "1"})
     runtime = Runtime(config, env={}, reporter_=ErrorReporter())
@@ -433,7 +433,7 @@ def test_finished_steps_become_rows_on_poll_and_the_queue_is_bounded(
 def test_public_trace_step_reuses_one_context_and_stays_fail_open(monkeypatch: pytest.MonkeyPatch) -> None:
     from agent.config import load_config
     from agent.errors import ErrorReporter
-    from agent.runtime import Runtime
+    from agent.rank_runtime import Runtime
 
     config, _ = load_config({"TRACEML_NO_RELAY": "1"})
     runtime = Runtime(config, env={}, reporter_=ErrorReporter())
