@@ -4,7 +4,7 @@ Writes rows with realistic shapes: M nodes x N ranks, one straggler rank,
 host/GPU rows on each node's local rank 0 with some values absent, scalars, a
 deep-dive layers table, an FSDP2 model row, and delivery counters under the
 names the daemon, relays (``relay.upstream.RelayStats``) and agents
-(``agent.runtime`` and its tracer) really report. Deterministic: no
+(``agent.rank_runtime`` and its tracer) really report. Deterministic: no
 randomness, fixed timestamps.
 
 The schema is the current one, reached the way the daemon reaches it: the rows
