@@ -1442,24 +1442,25 @@ GOOD_STEP_COLUMNS = columns("steps")
 
 def good_row(salt: int, step: int) -> tuple[Any, ...]:
     """The exact steps row a good sender sends for ``step`` (``GOOD_STEP_COLUMNS`` order).
-    ``salt`` holds the run's start in whole seconds (see ``_start_good``)."""
+    ``salt`` holds the run's start in whole seconds (see ``_start_good``). Named by column:
+    a column the steps table gains later is sent as None (not measured) until it is named here."""
     base = (step * 7919 + salt * 104_729) % 1_000_000
-    return (
-        step,
-        float(salt) + step / 4,  # exact in a double
-        20_000_000 + base,
-        2_000_000 + base % 1000,
-        100_000 + base % 77,
-        6_000_000 + base % 5000,
-        9_000_000 + base % 3000,
-        2_000_000 + base % 100,
-        900_000 + base % 10,
-        None,
-        None,
-        None,
-        (1 << 30) + step,
-        0,
-    )
+    values = {
+        "step": step,
+        "ts": float(salt) + step / 4,  # exact in a double
+        "step_ns": 20_000_000 + base,
+        "dataloader_ns": 2_000_000 + base % 1000,
+        "h2d_ns": 100_000 + base % 77,
+        "forward_ns": 6_000_000 + base % 5000,
+        "backward_ns": 9_000_000 + base % 3000,
+        "optimizer_ns": 2_000_000 + base % 100,
+        "wait_ns": 900_000 + base % 10,
+        "rss_bytes": (1 << 30) + step,
+        "model_id": 0,
+        "fwd_comm_ns": 300_000 + base % 7 if step % 2 else None,
+        "device_timed": 1 if step % 3 == 0 else 0,
+    }
+    return tuple(values.get(column) for column in GOOD_STEP_COLUMNS)
 
 
 def good_body(salt: int, first: int, n: int) -> bytes:
@@ -1506,6 +1507,7 @@ class GoodPeer:
         self.drained = threading.Event()
         self.drain_deadline = math.inf
         self._conn: Conn | None = None
+        self.failed: str | None = None  # the sending thread died of this
         self._thread = threading.Thread(target=self._run, name=f"fuzz-good-{name}", daemon=True)
 
     @property
@@ -1587,6 +1589,13 @@ class GoodPeer:
         self.unacked[self.seq] = encode_frame(pack(message))
 
     def _run(self) -> None:
+        try:
+            self._send_until_stopped()
+        except Exception as exc:  # a bug of the fuzzer's: the judge names it, never a silent empty check
+            self.failed = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _send_until_stopped(self) -> None:
         while not self.stop_sending.is_set():
             if self._conn is None and not self._connect():
                 self.stop_sending.wait(0.5)
@@ -2099,7 +2108,8 @@ class Fuzzer:
         """Every row of the peer's senders compared with what was sent, exactly."""
         out: dict[str, Any] = {"steps_sent": peer.steps_sent, "steps_stored": 0, "missing": 0, "duplicated": 0,
                                "altered": 0, "batches_acked": peer.batches_acked, "unacked_at_end": len(peer.unacked),
-                               "disruptions": peer.disruption_count, "first_disruptions": peer.disruptions[:8]}
+                               "disruptions": peer.disruption_count, "first_disruptions": peer.disruptions[:8],
+                               "failed": peer.failed}
         altered_examples: list[str] = []
         cols = ", ".join(f"s.{c}" for c in GOOD_STEP_COLUMNS)
         for s in peer.senders:
@@ -2179,6 +2189,10 @@ class Fuzzer:
         if report.relay_peak_rss_mb is not None and report.relay_peak_rss_mb > cap:
             problems.append(f"relay peak RSS {report.relay_peak_rss_mb:.0f} MB is over the cap of {cap:.0f} MB")
         for name, good in report.good.items():
+            if good.get("failed") or not good["steps_sent"]:
+                # Nothing sent makes every check below vacuous: a fault of the fuzzer, named as one.
+                problems.append(f"{name}: the good peer sent {good['steps_sent']} steps; its thread "
+                                f"{'died of ' + good['failed'] if good.get('failed') else 'never got a batch out'}")
             bad = good["missing"] or good["duplicated"] or good["altered"] or good.get("identity_wrong") \
                 or good["steps_stored"] != good["steps_sent"]
             if bad:

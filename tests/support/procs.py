@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,17 +28,39 @@ T = TypeVar("T")
 _HANDED_OUT: set[int] = set()
 
 
+def _ephemeral_range() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_EPHEMERAL = _ephemeral_range()
+_LISTEN_PORTS = range(20000, 32768)  # below the usual ephemeral range (checked against the real one)
+_DEFAULT_PORTS = frozenset({29500, 29765, 29766})  # torchrun's, the daemon's and the relay's defaults
+
+
 def free_port() -> int:
-    """A port free now and not handed out before in this test process: the kernel may
-    offer the same free port twice in a row, and a test asking for two (a daemon's and
-    its metrics endpoint's) then got one port for both."""
-    while True:
+    """A port free now, outside the kernel's ephemeral range and not handed out before in
+    this test process. Outside the range: between this call and the listener's bind, an
+    outgoing connection (a fuzz attacker's, a relay's) can be given an ephemeral port as its
+    source, and a port taken from that range then collides (torchrun's master port did:
+    EADDRINUSE). Not twice: a test asking for two (a daemon's and its metrics endpoint's)
+    must get two."""
+    rng = random.Random()
+    for _ in range(2000):
+        port = rng.choice(_LISTEN_PORTS)
+        if port in _HANDED_OUT or port in _EPHEMERAL or port in _DEFAULT_PORTS:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free listening port below the ephemeral range")
 
 
 def base_env(**extra: str) -> dict[str, str]:
