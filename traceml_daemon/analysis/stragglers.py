@@ -85,6 +85,7 @@ class Excess:
     # FSDP2: collective wait measured inside its phases (COMM_KEYS), and the others' median.
     comm_ms: dict[str, float | None] | None = None
     others_comm_ms: dict[str, float] | None = None
+    worst_rank: int | None = None  # a node's member with the most busy time (the one to look at first)
 
 
 def _group_ms(p: RankProfile, group: str) -> float:
@@ -188,6 +189,7 @@ def node_excesses(profs: list[RankProfile], policy: StragglerPolicy) -> list[Exc
                 ref_wait[i],
                 phase_excess,
                 {g: sum(phase_excess[ph] for ph in phs) for g, phs in GROUPS.items()},
+                worst_rank=max(members, key=lambda p: (p.busy_ms or 0.0, -p.global_rank)).global_rank,
             )
         )
     out.sort(key=lambda e: -e.excess_ms)
@@ -301,6 +303,7 @@ def node_verdicts(excesses: list[Excess], policy: StragglerPolicy, phases_ok: bo
         group, phase = _attribute(e, policy, phases_ok)
         ev = _evidence(e, phase)
         ev["ranks"] = rank_ranges(e.ranks)
+        ev["worst_rank"] = e.worst_rank
         what = f"in {phase}" if phase else "outside the measured phases"
         why = f"every rank of node {e.node_rank} (ranks {rank_ranges(e.ranks)}) is slow {what}: {_gap_text(e, phase, policy)}"
         out.append(

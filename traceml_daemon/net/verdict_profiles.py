@@ -3,7 +3,7 @@
 While serving, the daemon diagnoses each live run every ``INTERVAL_S`` (the newest
 ``DIAGNOSIS_WINDOW`` steps per rank, read-only, in a worker thread: ingest never
 waits for it). The first time a straggler verdict (STRAGGLER, INPUT_/H2D_/COMPUTE_/
-WAIT_STRAGGLER; NODE_STRAGGLER only when its evidence names one rank) names a rank
+WAIT_STRAGGLER; for NODE_STRAGGLER the node's ``worst_rank``) names a rank
 of a run, the daemon asks that rank to record its next K steps with torch.profiler,
 down the same route as `traceml-daemon profile` (``ControlRoutes.send``). Each
 (run, rank) is asked once for the daemon's lifetime and a run at most

@@ -76,6 +76,16 @@ def test_node_straggler_replaces_rank_verdicts() -> None:
     assert v.scope == {"node_rank": 1}
     assert v.evidence["phase"] == "dataloader"
     assert v.evidence["ranks"] == "2-3"
+    assert v.evidence["worst_rank"] == 2  # busy ties: the lower rank
+
+
+def test_a_node_stragglers_worst_rank_is_its_busiest_member() -> None:
+    ranks = [
+        make_rank(r, node_rank=r // 2, dataloader={2: 45.0, 3: 55.0}.get(r, 5.0), wait=4.0 if r >= 2 else 44.0)
+        for r in range(4)
+    ]
+    v = problems(diagnose(make_run(ranks)))[0]
+    assert v.name == "NODE_STRAGGLER" and v.evidence["worst_rank"] == 3
 
 
 def test_one_slow_rank_on_a_node_is_not_a_node_straggler() -> None:
