@@ -74,6 +74,9 @@ class RetentionPolicy:
     chunk_rows: int = 2000
     max_chunks: int = 50  # per call: bounded work between two ingest transactions
     interval_s: float = 5.0
+    # Under an age limit, a sweep of the step-keyed tables at least this often, for the ranks
+    # that never store a step (step_keyed.py): they age out by the clock.
+    step_keyed_lap_s: float = 3600.0
 
     @classmethod
     def from_flags(cls, retention_days: float | None, max_db_mb: float | None) -> RetentionPolicy | None:
@@ -236,9 +239,13 @@ async def enforce(
             done = done and size_done
         else:
             done = False
+    seen_before = None
+    if policy.max_age_s is not None:
+        sweep.lap_if_older(policy.step_keyed_lap_s)
+        seen_before = now - policy.max_age_s
     if sweep.due and budget > 0:
         # Not part of ``done``: a lap over big tables goes on at the pass interval.
-        rows, _ = await sweep.run(db, policy.chunk_rows, budget)
+        rows, _ = await sweep.run(db, policy.chunk_rows, budget, seen_before)
         deleted += rows
     if deleted:
         log.info("retention deleted %d raw rows", deleted)

@@ -3,8 +3,10 @@
 They hold no clock of their own, so they follow their rank's steps: a row goes
 once its rank's steps no longer reach back to its step (the rank's lowest step
 left is later), or once its rank has no step left after it stored some
-(``rank_history`` remembers every rank that stored a step). Rows of a rank that
-never stored a step, and rows without a step, stay.
+(``rank_history`` remembers every rank that stored a step); then its rows
+without a step go too. A rank that never stored a step (a rollout worker that
+only logs) follows the daemon's own clock instead: under an age limit, all its
+rows go once nothing of it arrived within the limit (``ranks.last_seen``).
 
 A table is read in rowid order, ``chunk_rows`` rows at a time, and only the
 stale rows of a chunk are deleted, in one short transaction. Two ways through:
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,9 +39,11 @@ STEP_KEYED_TABLES: tuple[str, ...] = ("scalars", "layers", "fingerprints")
 LOWEST_STEP_SQL = f"SELECT step FROM steps WHERE {rank_is('?1')} ORDER BY step LIMIT 1"
 
 
-async def _marks(db: aiosqlite.Connection, rank_ids: set[int]) -> dict[int, float]:
+async def _marks(db: aiosqlite.Connection, rank_ids: set[int], seen_before: float | None) -> dict[int, float]:
     """Per rank, the step below which its rows are stale: its lowest step left; past every
-    step when it has none left but stored some; none (-inf) when it never stored one."""
+    step (inf: every row) when it has none left but stored some, or when it never stored one
+    and was last seen before ``seen_before`` (the age limit, on the daemon's clock); else none
+    (-inf)."""
     marks: dict[int, float] = {}
     for rank_id in rank_ids:
         async with db.execute(LOWEST_STEP_SQL, (rank_id,)) as cur:
@@ -47,8 +52,12 @@ async def _marks(db: aiosqlite.Connection, rank_ids: set[int]) -> dict[int, floa
             marks[rank_id] = float(row[0])
             continue
         async with db.execute("SELECT 1 FROM rank_history WHERE rank_id = ? LIMIT 1", (rank_id,)) as cur:
-            had_steps = await cur.fetchone() is not None
-        marks[rank_id] = math.inf if had_steps else -math.inf
+            gone = await cur.fetchone() is not None
+        if not gone and seen_before is not None:
+            async with db.execute("SELECT last_seen FROM ranks WHERE rank_id = ?", (rank_id,)) as cur:
+                row = await cur.fetchone()
+            gone = row is not None and isinstance(row[0], (int, float)) and row[0] < seen_before
+        marks[rank_id] = math.inf if gone else -math.inf
     return marks
 
 
@@ -60,7 +69,8 @@ class Chunk:
 
 
 async def trim_chunk(
-    db: aiosqlite.Connection, table: str, after_rowid: int, chunk_rows: int, marks: dict[int, float]
+    db: aiosqlite.Connection, table: str, after_rowid: int, chunk_rows: int, marks: dict[int, float],
+    seen_before: float | None = None,
 ) -> Chunk:
     """Delete the stale rows among the ``chunk_rows`` rows of ``table`` after ``after_rowid``.
     ``marks`` caches each rank's mark for the caller's pass (a mark only rises as steps go,
@@ -73,8 +83,9 @@ async def trim_chunk(
         return Chunk(0, 0, 0)
     unknown = {rank_id for _, rank_id, _ in rows} - marks.keys()
     if unknown:
-        marks.update(await _marks(db, unknown))
-    stale = [rowid for rowid, rank_id, step in rows if step is not None and step < marks[rank_id]]
+        marks.update(await _marks(db, unknown, seen_before))
+    stale = [rowid for rowid, rank_id, step in rows
+             if (step < marks[rank_id] if step is not None else marks[rank_id] == math.inf)]
     deleted = 0
     if stale:
         deleted = await delete_chunk(
@@ -112,17 +123,27 @@ class StepKeyedSweep:
     """The resumable sweep over the step-keyed tables (one per writer, kept between passes)."""
 
     laps: dict[str, _Lap] = field(default_factory=lambda: {t: _Lap() for t in STEP_KEYED_TABLES})
+    lap_started: float = -math.inf  # monotonic time of the last lap begun
 
     def steps_deleted(self) -> None:
         """Steps went: every table owes a whole lap from where its sweep stands."""
+        self.lap_started = time.monotonic()
         for lap in self.laps.values():
             lap.until, lap.wrapped, lap.due = lap.after, False, True
+
+    def lap_if_older(self, every_s: float) -> None:
+        """A lap at least every ``every_s`` under an age limit: ranks that never stored a step
+        age out by the clock, with no step deleted to start one."""
+        if time.monotonic() - self.lap_started >= every_s:
+            self.steps_deleted()
 
     @property
     def due(self) -> bool:
         return any(lap.due for lap in self.laps.values())
 
-    async def run(self, db: aiosqlite.Connection, chunk_rows: int, budget: int) -> tuple[int, int]:
+    async def run(
+        self, db: aiosqlite.Connection, chunk_rows: int, budget: int, seen_before: float | None = None
+    ) -> tuple[int, int]:
         """Sweep on within ``budget`` chunks, a chunk of each due table in turn (under steady
         deletion a lap never ends, and no table may starve the others); (rows deleted, chunks used)."""
         marks: dict[int, float] = {}
@@ -131,7 +152,7 @@ class StepKeyedSweep:
             for table, lap in self.laps.items():
                 if not lap.due or used >= budget:
                     continue
-                chunk = await trim_chunk(db, table, lap.after, chunk_rows, marks)
+                chunk = await trim_chunk(db, table, lap.after, chunk_rows, marks, seen_before)
                 used += 1
                 total += chunk.deleted
                 if chunk.read < chunk_rows:  # the end: wrap to the front

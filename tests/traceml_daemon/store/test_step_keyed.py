@@ -88,6 +88,41 @@ def test_age_retention_takes_the_step_keyed_rows_of_the_steps_it_deletes(tmp_pat
     assert _counts(db, 2)["scalars"] == (50 * len(NAMES), 0)
 
 
+def test_a_rank_that_never_steps_ages_out_by_the_daemons_clock(tmp_path: Path) -> None:
+    """Rows of a rank that stored no step (scalars logged outside any step: step None, or
+    steps of its own count) go once nothing of it arrived within the age limit, by the
+    daemon's clock (ranks.last_seen); a rank seen recently keeps them."""
+    db = tmp_path / "stepless.db"
+    now = time.time()
+
+    def logger(seq: int, rank: int) -> WorkItem:
+        sender = agent_sender("s1", rank)
+        body = encode_body({"scalars": {"step": [None, None, 3, 4], "name": ["reward"] * 4,
+                                        "value": [0.5, 0.6, 0.7, 0.8]}})
+        return WorkItem(RELAY, "s1", seq, [[sender, seq, body]], {sender: {"global_rank": rank}}, {}, {})
+
+    async def go() -> None:
+        writer = StoreWriter(str(db), retention=RetentionPolicy(max_age_s=7 * 86400, chunk_rows=100))
+        await writer.open()
+        assert await writer.write([logger(1, 7), logger(1, 8)])
+        async with writer._db.execute(  # type: ignore[union-attr]
+            "UPDATE ranks SET last_seen = ? WHERE global_rank = 7", (now - 8 * 86400,)
+        ):
+            pass
+        await writer._db.commit()  # type: ignore[union-attr]
+        await writer.enforce_retention()
+        await writer.close()
+
+    asyncio.run(go())
+    conn = ro(db)
+    try:
+        left = conn.execute("SELECT r.global_rank, count(*) FROM scalars s JOIN ranks r USING (rank_id) "
+                            "GROUP BY r.global_rank").fetchall()
+    finally:
+        conn.close()
+    assert left == [(8, 4)]  # rank 7, silent for 8 days of a 7-day limit, lost all four rows
+
+
 def test_a_ranks_lowest_step_is_one_index_search(tmp_path: Path) -> None:
     db = tmp_path / "plan.db"
 
