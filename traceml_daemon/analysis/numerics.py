@@ -14,7 +14,8 @@ from traceml_daemon.analysis.model import NonFinite, Verdict
 from traceml_daemon.analysis.policy import NumericsPolicy
 
 
-def _text(value: float) -> str:
+def nonfinite_text(value: float) -> str:
+    """How a non-finite value is written in evidence and JSON output."""
     return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
 
 
@@ -27,18 +28,18 @@ def nonfinite_verdicts(found: list[NonFinite], policy: NumericsPolicy) -> list[V
     for name, items in sorted(by_name.items()):
         items.sort(key=lambda i: (i.step, i.global_rank))
         first = items[0]
-        others = [{"global_rank": i.global_rank, "step": i.step, "value": _text(i.value)} for i in items[1:]]
+        others = [{"global_rank": i.global_rank, "step": i.step, "value": nonfinite_text(i.value)} for i in items[1:]]
         out.append(
             Verdict(
                 "LOSS_NONFINITE",
                 "critical",
                 {"global_rank": first.global_rank},
-                f"{name} became {_text(first.value)} at step {first.step} on rank {first.global_rank}"
+                f"{name} became {nonfinite_text(first.value)} at step {first.step} on rank {first.global_rank}"
                 + (f", then on {len(others)} more rank(s)" if others else ""),
                 {
                     "scalar": name,
                     "step": first.step,
-                    "value": _text(first.value),
+                    "value": nonfinite_text(first.value),
                     "ranks_after": others[: policy.max_ranks_listed],
                     "ranks_after_total": len(others),
                 },

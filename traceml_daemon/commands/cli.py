@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import sys
@@ -304,7 +303,9 @@ def cmd_summary(args: argparse.Namespace) -> int:
         except OSError as exc:
             logging.getLogger("traceml_daemon.commands.cli").warning("could not write summary files: %s", exc)
     if args.json:
-        json.dump(summary, sys.stdout, indent=2)
+        from traceml_daemon.commands import json_out
+
+        json_out.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_text(summary))

@@ -16,14 +16,13 @@ judged on its speed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from traceml_daemon.analysis.diff import compare_runs, format_compare
 from traceml_daemon.analysis.fingerprints import compare_fingerprints, format_fingerprints
-from traceml_daemon.commands import exit_codes
+from traceml_daemon.commands import exit_codes, json_out
 from traceml_daemon.store.read.whole_run import UnreadableRun, load_fingerprints, load_run, load_session
 from traceml_wire.printable import printable_text
 
@@ -95,7 +94,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         result[key].update(path=path, session=ref.session, attempt=ref.attempt)
     code = outcome(result, args.fail_on_regression)
     result["exit_code"] = code
-    print(json.dumps(result, indent=2) if args.json else _with_runs(format_compare(result), result))
+    print(json_out.dumps(result, indent=2) if args.json else _with_runs(format_compare(result), result))
     return code
 
 

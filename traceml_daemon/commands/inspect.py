@@ -11,10 +11,10 @@ shows ``render_text`` of the same view.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from traceml_daemon.commands import json_out
 from traceml_daemon.store import reader
 from traceml_daemon.store.read.step_detail import RankNotFound, RankStep, StepNotFound, StepView, load_step
 from traceml_daemon.store.reader import RankRow
@@ -237,7 +237,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         return 2
     if args.json:
         # With --rank, every rank's phases are there (the band is of all); the rest is that rank's.
-        json.dump(view_json(view), sys.stdout, indent=2)
+        json_out.dump(view_json(view), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_text(view, args.rank))

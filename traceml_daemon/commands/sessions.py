@@ -21,6 +21,7 @@ from typing import IO, Any
 
 from traceml_daemon.analysis import rollout_stats
 from traceml_daemon.analysis.policy import Policy
+from traceml_daemon.commands import json_out
 from traceml_daemon.store import reader
 from traceml_daemon.store.read.rollouts import SessionRecord, run_profiles, run_sessions, trainer_wait
 from traceml_daemon.store.read.runs import RunRef, UnknownSession, resolve_run
@@ -167,7 +168,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         summary = load_summary(run, now, policy)
         if args.json:
             summary["sessions_list"] = [rollout_stats.areal_record(r) for r in run.sessions()]
-            json.dump(summary, sys.stdout, indent=2)
+            json_out.dump(summary, sys.stdout, indent=2)
             sys.stdout.write("\n")
         else:
             sys.stdout.write(render_text(summary))

@@ -3,7 +3,6 @@ final_summary.json / final_summary.txt files written next to the database."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -18,7 +17,7 @@ from traceml_daemon.analysis.policy import Policy
 from traceml_daemon.analysis.policy_file import policy_overrides
 from traceml_daemon.analysis.report import format_verdicts
 from traceml_daemon.analysis.stats import rank_ranges
-from traceml_daemon.commands import summary_fsdp2
+from traceml_daemon.commands import json_out, summary_fsdp2
 from traceml_daemon.commands.summary_rollouts import add_to as add_rollouts
 from traceml_daemon.commands.summary_rollouts import render as rollout_lines
 from traceml_daemon.store import reader
@@ -256,7 +255,7 @@ def write_summary_files(db_path: str, summary: dict[str, Any]) -> list[str]:
     folder = os.path.dirname(os.path.abspath(db_path))
     paths = []
     for name, text in (
-        ("final_summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n"),
+        ("final_summary.json", json_out.dumps(summary, indent=2, sort_keys=False) + "\n"),
         ("final_summary.txt", render_text(summary)),
     ):
         path = os.path.join(folder, name)

@@ -71,3 +71,41 @@ def test_relay_counters_summed_past_int64_do_not_break_the_summary(tmp_path: Pat
     done = _cli("summary", "--db", str(db), "--json", "--no-files")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["delivery"]["batches_dropped_reported"] == 2**63 - 1
+
+
+def _strict(text: str) -> object:
+    def refuse(token: str) -> object:
+        raise AssertionError(f"not strict JSON: bare {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_inspect_at_a_nan_step_with_a_peers_infinite_clock_prints_strict_json(tmp_path: Path) -> None:
+    """The step where the loss went NaN is the one a user inspects; a peer that sent ts=inf
+    for the same step (stored as such) must not stop the inspector either."""
+    db = tmp_path / "run.db"
+    with DaemonProcess(db) as daemon:
+        with WireClient(daemon.port) as c:
+            assert c.handshake("relay/s1/n0/1-r")["t"] == messages.ACCEPT
+            items = []
+            for rank in (0, 1):
+                sender = agent_sender("s1", rank)
+                items += [[sender, 1, steps_body(0, STEPS)], [sender, 2, _losses(rank, {17: math.nan})]]
+            hostile = agent_sender("s1", 2)
+            row = {"step": [17], "ts": [math.inf], "step_ns": [20_000_000], "rss_bytes": [1 << 30]}
+            items.append([hostile, 1, encode_body({"steps": row})])
+            c.rbatch(1, items, peers_for(0, 1, 2))
+            assert c.recv() == {"t": "ack", "seq": 1}
+        assert daemon.stop() == 0
+    text = _cli("inspect", "--db", str(db), "--step", "17")
+    assert text.returncode == 0, text.stderr
+    done = _cli("inspect", "--db", str(db), "--step", "17", "--json")
+    assert done.returncode == 0, done.stderr
+    view = _strict(done.stdout)
+    assert isinstance(view, dict)
+    by_rank = {r["global_rank"]: r for r in view["ranks"]}
+    assert by_rank[1]["scalars"] == {"loss": "NaN"}
+    assert by_rank[2]["models"][0]["ts"] == "+inf"
+    summary = _cli("summary", "--db", str(db), "--json", "--no-files")
+    assert summary.returncode == 0, summary.stderr
+    _strict(summary.stdout)

@@ -8,6 +8,7 @@ and GPU samples nearest the step's end. Nothing here walks a run.
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,8 @@ class RankStep:
     def window(self) -> tuple[float, float] | None:
         """Wall-clock seconds [start, end] of the step: its end less its step and dataloader
         time (the fetch before the step belongs to it), or None when not recorded."""
-        ends = [r["ts"] for r in self.rows if r.get("ts") is not None]
+        # A ts that is no time (a peer sent inf or NaN, stored as such) places nothing.
+        ends = [r["ts"] for r in self.rows if isinstance(r.get("ts"), (int, float)) and math.isfinite(r["ts"])]
         if not ends:
             return None
         end = max(ends)
