@@ -23,7 +23,10 @@ def _losses(rank: int, bad_on_rank1: dict[int, float]) -> bytes:
     return encode_body({"scalars": {"step": steps, "name": ["loss"] * STEPS, "value": losses}})
 
 
-def _write_run(db: Path, bad_on_rank1: dict[int, float], stats: dict[str, int] | None = None) -> None:
+def _write_run(db: Path, bad_on_rank1: dict[int, float], stats: dict[str, int] | None = None,
+               rank2_body: bytes | None = None) -> None:
+    """Ranks 0 and 1 step and log a loss (rank 1's bad at the steps given); ``rank2_body``: what
+    a third rank sends."""
     with DaemonProcess(db) as daemon:
         with WireClient(daemon.port) as c:
             assert c.handshake("relay/s1/n0/1-r")["t"] == messages.ACCEPT
@@ -31,7 +34,9 @@ def _write_run(db: Path, bad_on_rank1: dict[int, float], stats: dict[str, int] |
             for rank in (0, 1):
                 sender = agent_sender("s1", rank)
                 items += [[sender, 1, steps_body(0, STEPS)], [sender, 2, _losses(rank, bad_on_rank1)]]
-            c.rbatch(1, items, peers_for(0, 1), stats=stats)
+            if rank2_body is not None:
+                items.append([agent_sender("s1", 2), 1, rank2_body])
+            c.rbatch(1, items, peers_for(0, 1, 2) if rank2_body is not None else peers_for(0, 1), stats=stats)
             assert c.recv() == {"t": "ack", "seq": 1}
         if stats:  # a second relay whose counters add up past int64
             with WireClient(daemon.port) as c:
@@ -84,19 +89,8 @@ def test_inspect_at_a_nan_step_with_a_peers_infinite_clock_prints_strict_json(tm
     """The step where the loss went NaN is the one a user inspects; a peer that sent ts=inf
     for the same step (stored as such) must not stop the inspector either."""
     db = tmp_path / "run.db"
-    with DaemonProcess(db) as daemon:
-        with WireClient(daemon.port) as c:
-            assert c.handshake("relay/s1/n0/1-r")["t"] == messages.ACCEPT
-            items = []
-            for rank in (0, 1):
-                sender = agent_sender("s1", rank)
-                items += [[sender, 1, steps_body(0, STEPS)], [sender, 2, _losses(rank, {17: math.nan})]]
-            hostile = agent_sender("s1", 2)
-            row = {"step": [17], "ts": [math.inf], "step_ns": [20_000_000], "rss_bytes": [1 << 30]}
-            items.append([hostile, 1, encode_body({"steps": row})])
-            c.rbatch(1, items, peers_for(0, 1, 2))
-            assert c.recv() == {"t": "ack", "seq": 1}
-        assert daemon.stop() == 0
+    row = {"step": [17], "ts": [math.inf], "step_ns": [20_000_000], "rss_bytes": [1 << 30]}
+    _write_run(db, {17: math.nan}, rank2_body=encode_body({"steps": row}))
     text = _cli("inspect", "--db", str(db), "--step", "17")
     assert text.returncode == 0, text.stderr
     done = _cli("inspect", "--db", str(db), "--step", "17", "--json")
