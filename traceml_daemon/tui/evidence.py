@@ -54,15 +54,18 @@ def verdict_step(db_path: str, run: RunRef, rank: int) -> StepPick:
         busy: dict[int, dict[int, float]] = {}  # global rank -> step -> busy ns
         cols = steps.STEP_COLS
         at_step, at_ns, at_wait = cols.index("step"), cols.index("step_ns"), cols.index("wait_ns")
-        for row in reader.load_ranks(conn, run):
-            if row.global_rank is None:
-                continue
-            rows = [r for r in steps.rank_steps(conn, row.rank_id, VERDICT_WINDOW) if r[at_ns] is not None]
-            comm = fsdp2.collective_wait(conn, row.rank_id, sorted(r[at_step] for r in rows))
+        ranks = [
+            (row.rank_id, row.global_rank,
+             [r for r in steps.rank_steps(conn, row.rank_id, VERDICT_WINDOW) if r[at_ns] is not None])
+            for row in reader.load_ranks(conn, run) if row.global_rank is not None
+        ]
+        waits = fsdp2.collective_wait(conn, [(rank_id, sorted(r[at_step] for r in rows)) for rank_id, _, rows in ranks])
+        for rank_id, global_rank, rows in ranks:
+            comm = waits.get(rank_id)
             if comm is None:
-                busy[row.global_rank] = {r[at_step]: r[at_ns] - (r[at_wait] or 0) for r in rows}
+                busy[global_rank] = {r[at_step]: r[at_ns] - (r[at_wait] or 0) for r in rows}
             else:
-                busy[row.global_rank] = {
+                busy[global_rank] = {
                     r[at_step]: r[at_ns] - sum(v or 0 for v in comm.get(r[at_step], ())) for r in rows
                 }
     finally:

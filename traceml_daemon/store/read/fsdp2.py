@@ -39,9 +39,7 @@ def fill_steps(conn: sqlite3.Connection, ranks: list[tuple[int, RankData]]) -> N
     for rank_id, data in ranks:
         if not data.steps:
             continue
-        by_step: dict[int, tuple[Any, ...]] = {}
-        for step, *values in _rows(conn, rank_id, select, data.steps):
-            by_step.setdefault(step, tuple(values))
+        by_step = _by_step(conn, rank_id, select, data.steps)
         empty = (None,) * len(STEP_FIELDS)
         aligned = [by_step.get(step, empty) for step in data.steps]
         data.fwd_comm_ns, data.bwd_comm_ns, data.replicate_comm_ns, data.post_forward_bytes = (
@@ -49,15 +47,30 @@ def fill_steps(conn: sqlite3.Connection, ranks: list[tuple[int, RankData]]) -> N
         )
 
 
-def collective_wait(conn: sqlite3.Connection, rank_id: int, steps: list[int]) -> dict[int, tuple[Any, Any]] | None:
-    """(fwd_comm_ns, bwd_comm_ns) of the rank's ``steps`` (sorted), by step; None when the
-    database has no such columns or the rank measured none (not an FSDP2 rank)."""
-    if not steps or not has_step_fields(conn):
-        return None
-    by_step: dict[int, tuple[Any, Any]] = {}
-    for step, fwd, bwd in _rows(conn, rank_id, "fwd_comm_ns, bwd_comm_ns", steps):
-        by_step.setdefault(step, (fwd, bwd))
-    return by_step if any(f is not None or b is not None for f, b in by_step.values()) else None
+def collective_wait(
+    conn: sqlite3.Connection, ranks: list[tuple[int, list[int]]]
+) -> dict[int, dict[int, tuple[Any, ...]]]:
+    """Per rank_id, (fwd_comm_ns, bwd_comm_ns) of its ``steps`` (sorted), by step, for the
+    ranks that measured any (FSDP2 ranks); empty when the database has no such columns."""
+    if not ranks or not has_step_fields(conn):
+        return {}
+    out: dict[int, dict[int, tuple[Any, ...]]] = {}
+    for rank_id, steps in ranks:
+        if not steps:
+            continue
+        by_step = _by_step(conn, rank_id, "fwd_comm_ns, bwd_comm_ns", steps)
+        if any(f is not None or b is not None for f, b in by_step.values()):
+            out[rank_id] = by_step
+    return out
+
+
+def _by_step(conn: sqlite3.Connection, rank_id: int, select: str, steps: list[int]) -> dict[int, tuple[Any, ...]]:
+    """``select``'s values of the rank's ``steps``, by step; with two traced models in one
+    process the first model's row of a step stands for it."""
+    by_step: dict[int, tuple[Any, ...]] = {}
+    for step, *values in _rows(conn, rank_id, select, steps):
+        by_step.setdefault(step, tuple(values))
+    return by_step
 
 
 def _rows(conn: sqlite3.Connection, rank_id: int, select: str, steps: list[int]) -> list[tuple[Any, ...]]:
