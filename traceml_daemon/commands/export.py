@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from traceml_daemon import __version__
-from traceml_daemon.commands import export_lanes
+from traceml_daemon.commands import export_lanes, json_out
 from traceml_daemon.store.read import spans as stored_spans
 from traceml_daemon.store.read import steps as stored_steps
 from traceml_daemon.store.read.connect import connect_file, table_names
@@ -267,16 +267,11 @@ def _finite_row(row: Sequence[Any], counts: TraceCounts) -> list[Any]:
 
 def _strict(value: Any, counts: TraceCounts) -> Any:
     """``value`` (an event or part of one) with non-finite floats as None, counted."""
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
+
+    def null(_: float) -> None:
         counts.non_finite += 1
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v, counts) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_strict(v, counts) for v in value]
-    return value
+
+    return json_out.strict(value, null)
 
 
 def step_events(rank: Rank, steps: StepRange, con: sqlite3.Connection, base: float,

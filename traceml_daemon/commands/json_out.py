@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import IO, Any
 
 from traceml_daemon.analysis.numerics import nonfinite_text
 
 
-def strict(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by its text."""
+def strict(value: Any, replace: Callable[[float], Any] = nonfinite_text) -> Any:
+    """``value`` with every non-finite float replaced by ``replace(it)`` (its text by default)."""
     if isinstance(value, float):
-        return value if math.isfinite(value) else nonfinite_text(value)
+        return value if math.isfinite(value) else replace(value)
     if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
+        return {k: strict(v, replace) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [strict(v) for v in value]
+        return [strict(v, replace) for v in value]
     return value
 
 
