@@ -197,9 +197,10 @@ async def make_room(
     if policy is None or policy.max_db_bytes is None:
         return 0
     total = 0
+    sweep = sweep or StepKeyedSweep()
     try:
         for _ in range(policy.max_chunks):
-            deleted = await _drop_oldest(db, policy, sweep or StepKeyedSweep())
+            deleted = await _drop_oldest(db, policy, sweep)
             if deleted is None:
                 break
             total += deleted
