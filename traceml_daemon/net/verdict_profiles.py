@@ -83,18 +83,20 @@ def find_culprits(db_path: str, policy: Policy | None, now: float | None = None)
     conn = reader.open_readonly(db_path)
     try:
         heard: dict[RunRef, float] = {}
+        seen_by_run: dict[RunRef, dict[int, float]] = {}  # per run, when each global rank was last heard
         for row in reader.all_ranks(conn):
-            if row.last_seen is not None and now - row.last_seen <= LIVE_S:
-                run = RunRef(row.session, int(row.attempt or 0))
+            if row.last_seen is None:
+                continue
+            run = RunRef(row.session, int(row.attempt or 0))
+            if now - row.last_seen <= LIVE_S:
                 heard[run] = max(heard.get(run, 0.0), row.last_seen)
+            if row.global_rank is not None:
+                seen = seen_by_run.setdefault(run, {})
+                seen[row.global_rank] = max(seen.get(row.global_rank, 0.0), row.last_seen)
         runs = sorted(heard, key=heard.__getitem__, reverse=True)[:MAX_RUNS_PER_PASS]
         out: list[Culprit] = []
         for run in runs:
-            ranks = reader.load_ranks(conn, run)
-            seen: dict[int, float] = {}
-            for r in ranks:
-                if r.global_rank is not None and r.last_seen is not None:
-                    seen[r.global_rank] = max(seen.get(r.global_rank, 0.0), r.last_seen)
+            seen = seen_by_run.get(run, {})
             data = reader.load_run(conn, run, last_n=DIAGNOSIS_WINDOW, live=True)
             for verdict in diagnose(data, policy):
                 rank = culprit_rank(verdict)
